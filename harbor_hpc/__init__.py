@@ -1,0 +1,1 @@
+"""harbor-hpc: Harbor agent tasks on Slurm clusters with Apptainer."""

@@ -1,0 +1,33 @@
+"""The `harbor-hpc` command line. `main` is the console script's entry point."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+from harbor_hpc.cli import commands  # noqa: F401  (registers the subcommands on `app`)
+from harbor_hpc.cli.app import app, console, verbosity
+from harbor_hpc.core.errors import HarborHpcError
+
+
+def main() -> None:
+    """Run the CLI; user errors become one clear message and an exit code, never a traceback."""
+    try:
+        app()
+    except HarborHpcError as exc:
+        console.print(f"[red bold]error:[/] {exc.message}", highlight=False)
+        if exc.hint:
+            console.print(f"[dim]hint:[/] {exc.hint}", highlight=False)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]")
+        sys.exit(130)
+    except Exception as exc:
+        if verbosity():
+            traceback.print_exc()
+        console.print(
+            f"[red bold]internal error:[/] {type(exc).__name__}: {exc}\n"
+            "Run again with -v for the traceback, and please report it.",
+            highlight=False,
+        )
+        sys.exit(1)

@@ -1,0 +1,100 @@
+"""The typer app and what every subcommand shares: options with one meaning, output, config.
+
+Subcommands live one module per step next to this file; each is a thin function that parses
+options, calls the module that does the work, and prints the result (a rich table, or JSON on
+stdout with `--json`). Messages and progress go to stderr so that `--json` output stays clean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from functools import cache
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from harbor_hpc.core.config import Config, load_config
+
+app = typer.Typer(
+    name="harbor-hpc",
+    help="Run Harbor agent tasks on Slurm clusters with Apptainer, one subcommand a step:\n\n"
+    "fetch -> build -> rewrite -> setup-sh -> convert -> submit -> status / resubmit / export.\n\n"
+    "Defaults for options can live in ./harbor-hpc.toml (see the README); flags win.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Options shared by several subcommands: the same name, letter and meaning everywhere.
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the result as JSON on stdout, for scripts.")
+]
+DryRunOption = Annotated[
+    bool, typer.Option("--dry-run", help="Show what would be done; write and touch nothing.")
+]
+JobsOption = Annotated[
+    int | None,
+    typer.Option("--jobs", "-j", min=1, help="How many to work on in parallel. [default: 2]"),
+]
+VerboseOption = Annotated[
+    int, typer.Option("--verbose", "-v", count=True, help="More detail: -v info, -vv debug.")
+]
+
+console = Console(stderr=True)
+stdout = Console(soft_wrap=True)
+_verbosity = 0
+
+
+def setup(verbose: int) -> Config:
+    """Call first in every subcommand: sets up logging for `-v` and loads the config file."""
+    global _verbosity
+    _verbosity = verbose
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(
+        level=level,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+        force=True,
+    )
+    return config()
+
+
+@cache
+def config() -> Config:
+    return load_config()
+
+
+def verbosity() -> int:
+    return _verbosity
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def progress() -> Progress:
+    """The progress display for long work: a bar, done/total, elapsed time, on stderr."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[current]}"),
+        console=console,
+        transient=False,
+        disable=not console.is_terminal,
+    )
+
+
+def warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+
+def info(message: str) -> None:
+    console.print(message, highlight=False)

@@ -1,0 +1,1 @@
+"""What every step shares: errors, atomic files and locks, configuration."""

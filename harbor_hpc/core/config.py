@@ -1,0 +1,88 @@
+"""Defaults users would otherwise type every time, from `harbor-hpc.toml`.
+
+Looked up in this order, first found wins: `$HARBOR_HPC_CONFIG`, `./harbor-hpc.toml`,
+`$XDG_CONFIG_HOME/harbor-hpc/config.toml` (`~/.config/...`). The file is a flat table whose keys
+are option names with underscores (`cache_dir = "/scratch/sif"`). A flag given on the command line
+always wins over the file.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from harbor_hpc.core.errors import InputError
+
+# Every key a config file may set, with the type its value must have.
+KNOWN_KEYS: dict[str, type] = {
+    "registry": str,
+    "manifest": str,
+    "cache_dir": str,
+    "wheels_dir": str,
+    "jobs": int,
+    "partition": str,
+    "account": str,
+    "qos": str,
+    "time_min": int,
+    "run_dir": str,
+    "executor": str,
+    "array_parallelism": int,
+    "tasks_per_job": int,
+    "concurrency": int,
+    "nohttps": bool,
+}
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Config:
+    values: dict[str, Any] = field(default_factory=dict)
+    source: Path | None = None
+
+    def pick(self, key: str, flag: T | None, default: T) -> T:
+        """The flag when given, else the config file's value, else `default`."""
+        if flag is not None:
+            return flag
+        value: T = self.values.get(key, default)
+        return value
+
+
+def config_candidates() -> list[Path]:
+    explicit = os.environ.get("HARBOR_HPC_CONFIG")
+    if explicit:
+        return [Path(explicit)]
+    xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return [Path.cwd() / "harbor-hpc.toml", xdg / "harbor-hpc" / "config.toml"]
+
+
+def load_config() -> Config:
+    for path in config_candidates():
+        if path.is_file():
+            return Config(_parse(path), path)
+    if os.environ.get("HARBOR_HPC_CONFIG"):
+        raise InputError(
+            f"{os.environ['HARBOR_HPC_CONFIG']}: config file not found",
+            hint="fix or unset HARBOR_HPC_CONFIG",
+        )
+    return Config()
+
+
+def _parse(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: not valid TOML ({exc})") from None
+    for key, value in data.items():
+        expected = KNOWN_KEYS.get(key)
+        if expected is None:
+            raise InputError(
+                f"{path}: unknown key {key!r}",
+                hint="known keys: " + ", ".join(sorted(KNOWN_KEYS)),
+            )
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise InputError(f"{path}: {key} must be a {expected.__name__}, not {value!r}")
+    return data

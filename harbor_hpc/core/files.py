@@ -1,0 +1,107 @@
+"""Atomic writes and inter-process file locks for files that users and jobs share.
+
+Manifests, the .sif cache and run records live on shared filesystems and are touched by several
+processes and nodes at once. Every write goes to a temporary file in the same folder and is renamed
+into place, so a reader sees the old or the new content, never half of it. Locks are kernel locks
+(`flock`): they vanish with the process that held them, so a crashed holder never blocks forever,
+and they are honoured across NFS clients (Linux maps them to byte-range locks there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from harbor_hpc.core.errors import HarborHpcError
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Replace `path` with `data` in one rename; keeps the old file's permissions unless `mode`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
+    atomic_write_bytes(path, text.encode(), mode=mode)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file, naming the file when it is missing or malformed."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HarborHpcError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise HarborHpcError(f"{path}: not valid JSON ({exc})", exit_code=2) from None
+
+
+def _umask() -> int:
+    current = os.umask(0)
+    os.umask(current)
+    return current
+
+
+class LockTimeout(HarborHpcError):
+    pass
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, *, timeout: float | None = None, poll: float = 0.1) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if needed) for the `with` block.
+
+    The holder writes `host:pid` into the file so that a waiter that gives up can say who holds it.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    holder = path.read_text(errors="replace").strip() or "another process"
+                    raise LockTimeout(
+                        f"{path}: still locked by {holder} after {timeout:.0f} s",
+                        hint="wait for that process to finish, or remove the lock file if it "
+                        "is gone",
+                    ) from None
+                time.sleep(poll)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode())
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

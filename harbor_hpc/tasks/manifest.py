@@ -1,0 +1,135 @@
+"""The manifest: which image every task runs in, pinned by digest, and where its .sif is.
+
+`build` writes it as images finish, `convert` adds each image's .sif, `rewrite` and `submit` read
+it. Images are keyed by the content hash of their build context, so tasks with the same context
+share one entry. The JSON shape is described by `manifests/manifest.schema.json`.
+
+Several processes (parallel builds, conversions on many nodes) update one manifest, so every
+change goes through `update_manifest`: lock, re-read, change, atomic write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.core.files import atomic_write_json, file_lock, read_json
+
+SCHEMA = "harbor-hpc/manifest/v1"
+
+
+@dataclass
+class ImageRecord:
+    repository: str
+    tag: str
+    tasks: list[str] = field(default_factory=list)
+    digest: str | None = None
+    error: str | None = None
+    sif: str | None = None
+
+    @property
+    def reference(self) -> str | None:
+        """`REGISTRY/NAMESPACE/NAME@sha256:...` once pushed, else None."""
+        return f"{self.repository}@{self.digest}" if self.digest else None
+
+    @property
+    def tagged(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+
+@dataclass
+class TaskRecord:
+    context: str | None
+    image: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Manifest:
+    registry: str
+    tasks_root: str
+    images: dict[str, ImageRecord] = field(default_factory=dict)
+    tasks: dict[str, TaskRecord] = field(default_factory=dict)
+    updated_at: str = ""
+
+    def image_of(self, task: str) -> ImageRecord | None:
+        record = self.tasks.get(task)
+        if record is None or record.context is None:
+            return None
+        return self.images.get(record.context)
+
+    def set_image(self, context: str, image: ImageRecord) -> None:
+        """Store an image and bring each of its tasks' `image`/`error` in line with it."""
+        self.images[context] = image
+        for task in image.tasks:
+            self.tasks[task] = TaskRecord(context, image.reference, image.error)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "registry": self.registry,
+            "tasks_root": self.tasks_root,
+            "updated_at": self.updated_at,
+            "images": {
+                key: {**asdict(image), "reference": image.reference}
+                for key, image in sorted(self.images.items())
+            },
+            "tasks": {key: asdict(task) for key, task in sorted(self.tasks.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: Path) -> Manifest:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise InputError(
+                f"{source}: not a harbor-hpc manifest (expected schema {SCHEMA!r})",
+                hint="make one with `harbor-hpc build`",
+            )
+        try:
+            images = {
+                key: ImageRecord(
+                    repository=value["repository"],
+                    tag=value["tag"],
+                    tasks=list(value.get("tasks", [])),
+                    digest=value.get("digest"),
+                    error=value.get("error"),
+                    sif=value.get("sif"),
+                )
+                for key, value in data["images"].items()
+            }
+            tasks = {
+                key: TaskRecord(value.get("context"), value.get("image"), value.get("error"))
+                for key, value in data["tasks"].items()
+            }
+            return cls(data["registry"], data["tasks_root"], images, tasks, data["updated_at"])
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InputError(f"{source}: malformed manifest (bad or missing {exc})") from None
+
+
+def load_manifest(path: Path) -> Manifest:
+    return Manifest.from_json(read_json(path), path)
+
+
+def save_manifest(path: Path, manifest: Manifest) -> None:
+    manifest.updated_at = datetime.now(UTC).isoformat(timespec="seconds")
+    atomic_write_json(path, manifest.to_json())
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+@contextlib.contextmanager
+def update_manifest(path: Path, *, create: Manifest | None = None) -> Iterator[Manifest]:
+    """Lock the manifest, yield it fresh from disk for changes, write it back atomically.
+
+    With `create`, a manifest that does not exist yet starts as `create`.
+    """
+    with file_lock(_lock_path(path)):
+        manifest = load_manifest(path) if path.exists() or create is None else create
+        yield manifest
+        save_manifest(path, manifest)
