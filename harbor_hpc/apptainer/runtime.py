@@ -2,7 +2,9 @@
 
 Clusters install Apptainer setuid or rely on unprivileged user namespaces; root on some machines
 lacks a capability that the setuid path asks for. Rather than guess, `run_flags` tries a tiny
-`exec` of an image once per process and keeps the first flag set that works.
+`exec` of an image and keeps the first flag set that works. What works depends on the user and
+the host far more than on the image, so the set that worked last is tried first next time: one
+probe per image instead of one per candidate.
 """
 
 from __future__ import annotations
@@ -10,12 +12,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from functools import cache
 from pathlib import Path
 
 from harbor_hpc.core.errors import HarborHpcError
 
 BINARIES = ("apptainer", "singularity")
+
+# A probe is one `exec` of `/bin/sh -c true`; a minute means a hung FUSE mount or a wedged
+# starter, not a slow image.
+PROBE_TIMEOUT_S = 60.0
 
 
 @cache
@@ -38,23 +45,50 @@ def find_apptainer() -> str:
 # (unprivileged installs, or root without the full capability set), then fakeroot.
 _CANDIDATE_FLAGS: tuple[tuple[str, ...], ...] = ((), ("--userns",), ("--fakeroot",))
 
+_last_working: tuple[str, ...] | None = None
+_last_working_guard = threading.Lock()
+
 
 @cache
 def run_flags(sif: Path, *, fakeroot: bool = False) -> tuple[str, ...]:
-    """Flags for `apptainer exec/instance` that work for this user with this image."""
-    candidates = [("--fakeroot",)] if fakeroot else list(_CANDIDATE_FLAGS)
+    """Flags for `apptainer exec/instance` that work for this user with this image.
+
+    Raises `HarborHpcError` with each attempt's error when the image runs with none of them,
+    which is also how the .sif store checks that a fresh conversion is usable.
+    """
+    global _last_working
+    candidates: list[tuple[str, ...]] = [("--fakeroot",)] if fakeroot else list(_CANDIDATE_FLAGS)
+    with _last_working_guard:
+        last = _last_working
+    if last is not None and last in candidates:
+        candidates.remove(last)
+        candidates.insert(0, last)
     errors = []
     for flags in candidates:
+        problem = _probe(sif, flags)
+        if problem is None:
+            with _last_working_guard:
+                _last_working = flags
+            return flags
+        errors.append(f"{' '.join(flags) or '(no flags)'}: {problem}")
+    raise HarborHpcError(
+        f"apptainer cannot run {sif} here:\n  " + "\n  ".join(errors),
+        hint="`harbor-hpc doctor` shows what is missing (user namespaces, subuid, /dev/fuse)",
+    )
+
+
+def _probe(sif: Path, flags: tuple[str, ...]) -> str | None:
+    """None when `exec` of a no-op shell in `sif` with `flags` works, else why not."""
+    try:
         result = subprocess.run(
             [find_apptainer(), "exec", *flags, str(sif), "/bin/sh", "-c", "true"],
             capture_output=True,
             text=True,
             check=False,
+            timeout=PROBE_TIMEOUT_S,
         )
-        if result.returncode == 0:
-            return flags
-        errors.append(f"{' '.join(flags) or '(no flags)'}: {result.stderr.strip()[-300:]}")
-    raise HarborHpcError(
-        f"apptainer cannot run {sif} here:\n  " + "\n  ".join(errors),
-        hint="`harbor-hpc doctor` shows what is missing (user namespaces, subuid, /dev/fuse)",
-    )
+    except subprocess.TimeoutExpired:
+        return f"no answer within {PROBE_TIMEOUT_S:.0f} s"
+    if result.returncode == 0:
+        return None
+    return result.stderr.strip()[-300:] or f"exit status {result.returncode}"

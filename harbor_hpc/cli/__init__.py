@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import traceback
 
+from rich.markup import escape
+
 from harbor_hpc.cli import commands  # noqa: F401  (registers the subcommands on `app`)
 from harbor_hpc.cli.app import app, console, verbosity
 from harbor_hpc.core.errors import HarborHpcError
@@ -15,9 +17,10 @@ def main() -> None:
     try:
         app()
     except HarborHpcError as exc:
-        console.print(f"[red bold]error:[/] {exc.message}", highlight=False)
+        # One line each however long (logs and CI read them), markup in names taken literally.
+        console.print(f"[red bold]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
         if exc.hint:
-            console.print(f"[dim]hint:[/] {exc.hint}", highlight=False)
+            console.print(f"[dim]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         console.print("[red]interrupted[/]")
@@ -26,7 +29,7 @@ def main() -> None:
         if verbosity():
             traceback.print_exc()
         console.print(
-            f"[red bold]internal error:[/] {type(exc).__name__}: {exc}\n"
+            f"[red bold]internal error:[/] {type(exc).__name__}: {escape(str(exc))}\n"
             "Run again with -v for the traceback, and please report it.",
             highlight=False,
         )

@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from functools import cache
+from importlib.metadata import version
 from typing import Annotated, Any
 
 import typer
@@ -31,6 +32,25 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"harbor-hpc {version('harbor-hpc')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Run Harbor agent tasks on Slurm clusters with Apptainer."""
+
+
 # Options shared by several subcommands: the same name, letter and meaning everywhere.
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print the result as JSON on stdout, for scripts.")
@@ -40,7 +60,7 @@ DryRunOption = Annotated[
 ]
 JobsOption = Annotated[
     int | None,
-    typer.Option("--jobs", "-j", min=1, help="How many to work on in parallel. [default: 2]"),
+    typer.Option("--jobs", "-j", min=1, help="How many to work on in parallel. \\[default: 2]"),
 ]
 VerboseOption = Annotated[
     int, typer.Option("--verbose", "-v", count=True, help="More detail: -v info, -vv debug.")

@@ -1,0 +1,610 @@
+#!/usr/bin/env bash
+# Provision the real test infrastructure of harbor-hpc on a Debian 12 (bookworm) machine, as root:
+# Docker Engine, two local registries (open :5000, password :5001), munge + a one-node Slurm,
+# Apptainer 1.4.5, local base images, a folder of wheels for containers, and an env file.
+#
+# Idempotent: every part checks first and reuses what a previous run left when it still works.
+# The package mirror is read from /etc/apt/sources.list.d/debian.sources at run time.
+#
+# Usage: bash .ci/provision.sh            (everything)
+set -euo pipefail
+shopt -s inherit_errexit
+
+CI_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_DIR="$(cd "$CI_DIR/.." && pwd)"
+STATE=/var/lib/harbor-hpc-ci
+CACHE=/var/cache/harbor-hpc-ci
+LOGS=/var/log/harbor-hpc-ci
+ENV_FILE=$STATE/env.sh
+
+APPTAINER_WANT=1.4.5
+APPTAINER_GLIBC=/opt/harbor-hpc-ci/apptainer-glibc
+APPTAINER_STARTER=/usr/lib/x86_64-linux-gnu/apptainer/bin/starter
+
+BASE_IMAGE=local/debian:bookworm
+NOPY_IMAGE=local/debian-nopython:bookworm
+WHEELS=$CACHE/wheels
+WHEEL_PKGS=(uvicorn fastapi)
+OTHER_USER=hpcuser2
+AUTH_USER=hpcuser
+AUTH_PASSWORD=hpcpass
+
+APT_PKGS=(
+  docker.io docker-registry apache2-utils debootstrap slurm-wlm munge
+  squashfs-tools squashfuse fuse2fs fuse-overlayfs fuse3 uidmap patchelf tmux procps
+  containernetworking-plugins gocryptfs curl ca-certificates iptables xz-utils zstd e2fsprogs util-linux passwd
+)
+
+export DEBIAN_FRONTEND=noninteractive
+umask 022
+mkdir -p "$STATE" "$CACHE" "$LOGS"
+
+if [ "$(id -u)" != 0 ]; then
+  echo "provision.sh must run as root" >&2
+  exit 1
+fi
+
+# One provisioning at a time (CI and a developer, say): wait for the other one to finish.
+exec 9>"$STATE/provision.lock"
+if ! flock -n 9; then
+  echo "[provision] waiting for another provision.sh to finish"
+  flock 9
+fi
+
+T_START=$EPOCHREALTIME
+
+log() { echo "[provision] $*"; }
+die() {
+  echo "[provision] ERROR: $*" >&2
+  exit 1
+}
+elapsed() { # START -> seconds with one decimal
+  awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'
+}
+
+# timed NAME FUNC: run FUNC, then print one timing line. FUNC sets PART_NOTE (reused/done).
+timed() {
+  local name=$1 start=$EPOCHREALTIME
+  shift
+  PART_NOTE="done"
+  "$@"
+  log "$(printf '%-22s %6ss  %s' "$name" "$(elapsed "$start")" "$PART_NOTE")"
+}
+
+# Background parts: bg_start NAME FUNC starts it with its own log; bg_wait NAME waits for it,
+# prints its timing line, or its log's tail and fails.
+declare -A BG_PID=()
+bg_start() {
+  local name=$1
+  shift
+  (
+    start=$EPOCHREALTIME
+    PART_NOTE="done"
+    "$@"
+    printf '%s\n' "$(printf '%-22s %6ss  %s' "$name" "$(elapsed "$start")" "$PART_NOTE") (background)" \
+      >"$LOGS/bg-$name.timing"
+  ) >"$LOGS/bg-$name.log" 2>&1 </dev/null &
+  BG_PID[$name]=$!
+}
+bg_wait() {
+  local name=$1
+  if ! wait "${BG_PID[$name]}"; then
+    echo "[provision] background part '$name' failed; last lines of $LOGS/bg-$name.log:" >&2
+    tail -n 40 "$LOGS/bg-$name.log" >&2 || true
+    exit 1
+  fi
+  log "$(cat "$LOGS/bg-$name.timing")"
+}
+
+# wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND until it succeeds.
+wait_for() {
+  local limit=$1 what=$2 i
+  shift 2
+  for ((i = 0; i < limit * 4; i++)); do
+    if "$@" >/dev/null 2>&1; then return 0; fi
+    sleep 0.25
+  done
+  die "timed out after ${limit}s waiting for $what"
+}
+
+# The Debian mirror: URIs of the stanza whose Suites hold plain "bookworm" (or the first stanza).
+mirror_uri() {
+  local f=/etc/apt/sources.list.d/debian.sources uri=""
+  if [ -r "$f" ]; then
+    uri=$(awk 'BEGIN { RS = ""; FS = "\n" }
+      {
+        u = ""; s = ""
+        for (i = 1; i <= NF; i++) {
+          if ($i ~ /^URIs:/) { v = $i; sub(/^URIs:[ \t]*/, "", v); split(v, a, /[ \t]+/); u = a[1] }
+          if ($i ~ /^Suites:/) { s = $i " " }
+        }
+        if (u != "" && first == "") first = u
+        if (u != "" && s ~ /[ \t]bookworm[ \t]/) { print u; found = 1; exit }
+      }
+      END { if (!found && first != "") print first }' "$f")
+  fi
+  if [ -z "$uri" ] && [ -r /etc/apt/sources.list ]; then
+    uri=$(awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i !~ /^\[/ && $i ~ /:\/\//) { print $i; exit } }' \
+      /etc/apt/sources.list)
+  fi
+  [ -n "$uri" ] || die "cannot find the Debian mirror URI in /etc/apt/sources.list.d/debian.sources"
+  printf '%s\n' "${uri%/}"
+}
+MIRROR=$(mirror_uri)
+
+# pid_alive PIDFILE [NAME]: the pid in the file is running (and is NAME: pids get reused).
+pid_alive() {
+  local pid
+  [ -f "$1" ] || return 1
+  pid=$(cat "$1" 2>/dev/null || true)
+  [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
+  [ -z "${2:-}" ] || [ "$(cat "/proc/$pid/comm" 2>/dev/null || true)" = "$2" ]
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. apt packages
+part_apt() {
+  local p missing=()
+  if ! python3 -m pip --version >/dev/null 2>&1; then APT_PKGS+=(python3-pip); fi
+  # One dpkg-query for all: "name status" for each package dpkg knows.
+  local -A status=()
+  local name st
+  while read -r name st; do
+    status[${name%%:*}]=$st
+  done < <(dpkg-query -W -f='${Package} ${db:Status-Status}\n' "${APT_PKGS[@]}" 2>/dev/null || true)
+  for p in "${APT_PKGS[@]}"; do
+    [ "${status[$p]:-}" = installed ] || missing+=("$p")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
+    PART_NOTE="reused (all ${#APT_PKGS[@]} packages installed)"
+    return 0
+  fi
+  log "installing: ${missing[*]}"
+  apt-get update -qq
+  # policy-rc.d (if any) keeps the packages' services from starting; this script starts them.
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >"$LOGS/apt-install.log" 2>&1 ||
+    {
+      tail -n 30 "$LOGS/apt-install.log" >&2
+      die "apt-get install failed"
+    }
+  PART_NOTE="installed ${#missing[@]} packages"
+}
+
+# ----------------------------------------------------------------------------------------------
+# 2. Docker Engine
+docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
+part_docker() {
+  if docker_ok; then
+    PART_NOTE="reused (daemon answering)"
+    return 0
+  fi
+  if ! pgrep -x dockerd >/dev/null; then
+    # A pid file left by a daemon that is gone makes dockerd refuse to start.
+    if [ -f /var/run/docker.pid ] && ! kill -0 "$(cat /var/run/docker.pid)" 2>/dev/null; then
+      rm -f /var/run/docker.pid
+    fi
+    setsid -f dockerd >>"$LOGS/dockerd.log" 2>&1 </dev/null 9>&-
+    PART_NOTE="started dockerd (log $LOGS/dockerd.log)"
+  else
+    PART_NOTE="waited for a starting dockerd"
+  fi
+  wait_for 90 "docker info" docker_ok
+}
+
+# ----------------------------------------------------------------------------------------------
+# 3. Registries
+http_code() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$1" 2>/dev/null || true; }
+registry_answers() { [ "$(http_code "http://127.0.0.1:$1/v2/")" = "$2" ]; }
+part_registries() {
+  local dir=$STATE/registry started=()
+  mkdir -p "$dir/open" "$dir/auth"
+  if [ ! -s "$dir/htpasswd" ] || ! htpasswd -vb "$dir/htpasswd" "$AUTH_USER" "$AUTH_PASSWORD" >/dev/null 2>&1; then
+    htpasswd -Bbc "$dir/htpasswd" "$AUTH_USER" "$AUTH_PASSWORD" >/dev/null 2>&1
+  fi
+  local name port want pidf pid i code
+  for name in open auth; do
+    if [ "$name" = open ]; then port=5000 want=200; else port=5001 want=401; fi
+    pidf=$dir/$name.pid
+    if ! cmp -s "$CI_DIR/registry/$name.yml" "$dir/$name.yml"; then
+      install -m 644 "$CI_DIR/registry/$name.yml" "$dir/$name.yml"
+      # A registry this script started with another configuration: stop it by its pid.
+      if pid_alive "$pidf" docker-registry; then
+        pid=$(cat "$pidf")
+        kill "$pid"
+        for ((i = 0; i < 40; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+        started+=("(config changed)")
+      fi
+    fi
+    if registry_answers "$port" "$want"; then continue; fi
+    code=$(http_code "http://127.0.0.1:$port/v2/")
+    if [ "$code" != 000 ]; then
+      die "127.0.0.1:$port answers /v2/ with HTTP $code, not $want: something else holds the port"
+    fi
+    # setsid (not a group leader here, so no fork): $! is the registry itself.
+    setsid docker-registry serve "$dir/$name.yml" >>"$LOGS/registry-$name.log" 2>&1 </dev/null 9>&- &
+    echo $! >"$pidf"
+    disown
+    started+=("$name:$port")
+  done
+  wait_for 30 "registry 127.0.0.1:5000 (HTTP 200)" registry_answers 5000 200
+  wait_for 30 "registry 127.0.0.1:5001 (HTTP 401)" registry_answers 5001 401
+  # The tests start logged out of the password registry.
+  if grep -qs '"localhost:5001"' "${DOCKER_CONFIG:-$HOME/.docker}/config.json"; then
+    docker logout localhost:5001 >/dev/null 2>&1 || true
+  fi
+  if [ ${#started[@]} -eq 0 ]; then PART_NOTE="reused (both answering)"; else PART_NOTE="started ${started[*]}"; fi
+}
+
+# ----------------------------------------------------------------------------------------------
+# 4. munge + one-node Slurm
+munge_ok() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
+slurm_node_state() { sinfo -h -N -n "$SLURM_HOST" -o '%t' 2>/dev/null | head -n 1; }
+slurm_node_usable() {
+  case "$(slurm_node_state)" in
+    idle | mix | alloc | comp) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+slurmctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
+
+part_slurm() {
+  local notes=()
+  # munge
+  install -d -o munge -g munge -m 700 /etc/munge /var/lib/munge /var/log/munge
+  install -d -o munge -g munge -m 755 /run/munge
+  if [ ! -s /etc/munge/munge.key ]; then
+    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+    notes+=("new munge key")
+  fi
+  chown munge:munge /etc/munge/munge.key
+  chmod 400 /etc/munge/munge.key
+  if munge_ok; then
+    notes+=("munged reused")
+  else
+    runuser -u munge -- /usr/sbin/munged --force 9>&-
+    wait_for 20 "munged" munge_ok
+    notes+=("munged started")
+  fi
+
+  # slurm.conf from the template
+  SLURM_HOST=$(hostname -s)
+  local cpus mem_mb real_mem defmem tmp changed=0
+  cpus=$(nproc)
+  mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 }' /proc/meminfo)
+  real_mem=$((mem_mb * 90 / 100)) # below what slurmd measures, or it drains the node
+  defmem=$((real_mem / cpus))
+  tmp=$(mktemp)
+  sed -e "s/@HOSTNAME@/$SLURM_HOST/g" -e "s/@CPUS@/$cpus/g" -e "s/@REALMEMORY@/$real_mem/g" \
+    -e "s/@DEFMEMPERCPU@/$defmem/g" "$REPO_DIR/slurm/slurm.conf.in" >"$tmp"
+  mkdir -p /etc/slurm
+  if ! cmp -s "$tmp" /etc/slurm/slurm.conf; then
+    install -m 644 "$tmp" /etc/slurm/slurm.conf
+    changed=1
+  fi
+  rm -f "$tmp"
+  # No cgroup.conf: with proctrack/linuxproc and task/none slurmd loads no cgroup plugin.
+  install -d -m 755 /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
+
+  if [ "$changed" = 1 ]; then
+    # Our own daemons from an earlier run with another configuration: stop them by pid.
+    local pf pid i
+    for pf in /run/slurmd.pid /run/slurmctld.pid; do
+      if pid_alive "$pf" "$(basename "$pf" .pid)"; then
+        pid=$(cat "$pf")
+        kill "$pid"
+        notes+=("restarting $(basename "$pf" .pid) for the new slurm.conf")
+        # Wait for the process itself: the daemon removes its pid file before it is gone.
+        for ((i = 0; i < 120; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+        kill -0 "$pid" 2>/dev/null && die "$(basename "$pf" .pid) (pid $pid) did not stop"
+      fi
+    done
+  fi
+  if slurmctld_up; then
+    notes+=("slurmctld reused")
+  else
+    slurmctld -i 9>&-
+    wait_for 30 "slurmctld" slurmctld_up
+    notes+=("slurmctld started")
+  fi
+  if pid_alive /run/slurmd.pid slurmd; then
+    notes+=("slurmd reused")
+  else
+    slurmd 9>&-
+    notes+=("slurmd started")
+  fi
+  # Wait for the node; resume it when it is DOWN or DRAINED.
+  local i state
+  for ((i = 0; i < 120; i++)); do
+    state=$(slurm_node_state)
+    # slurmd gone (it exits when it cannot register): start it again, now and then.
+    if ((i % 10 == 9)) && ! pgrep -x slurmd >/dev/null; then slurmd 9>&- || true; fi
+    case "$state" in
+      idle | mix | alloc | comp) break ;;
+      down* | drain* | drng* | fail*)
+        scontrol update nodename="$SLURM_HOST" state=resume >/dev/null 2>&1 || true
+        ;;
+    esac
+    sleep 0.5
+  done
+  slurm_node_usable || die "Slurm node $SLURM_HOST is '$state' (see /var/log/slurm/)"
+  # A job end to end, unless everything was already running (then the node may be busy with
+  # someone's jobs, and a test job would have to wait for them).
+  local checked="no test job (all reused)"
+  if [[ "${notes[*]}" == *started* || "${notes[*]}" == *restarting* ]]; then
+    timeout 120 srun -N1 -n1 -t 1 -Q true || die "srun -N1 true failed"
+    checked="srun ok"
+  fi
+  PART_NOTE=$(
+    IFS=,
+    echo "${notes[*]}; node $SLURM_HOST $(slurm_node_state), $checked"
+  )
+}
+
+# ----------------------------------------------------------------------------------------------
+# 5. Apptainer: Debian unstable's package, run on a private glibc (bookworm's is too old)
+APT_U=$CACHE/apt-unstable
+DEBS=$CACHE/apptainer-debs
+apt_u() {
+  apt-get -q \
+    -o Dir::Etc::SourceList="$APT_U/unstable.list" -o Dir::Etc::SourceParts=/dev/null \
+    -o Dir::State="$APT_U/state" -o Dir::State::Lists="$APT_U/lists" \
+    -o Dir::State::status="$APT_U/status" -o Dir::Cache="$APT_U/cache" \
+    -o Acquire::Languages=none -o APT::Architectures::=amd64 -o APT::Architecture=amd64 \
+    -o Debug::NoLocking=true "$@"
+}
+apptainer_version() { apptainer version 2>/dev/null || true; }
+apptainer_ok() {
+  [ "$(apptainer_version)" = "$APPTAINER_WANT" ] &&
+    [ -f "$STATE/apptainer.stamp" ] &&
+    [ "$(patchelf --print-interpreter "$APPTAINER_STARTER" 2>/dev/null)" = "$APPTAINER_GLIBC/ld-linux-x86-64.so.2" ]
+}
+# Background: fetch the four .debs (only if the installed apptainer is not good and none are cached).
+part_apptainer_fetch() {
+  if apptainer_ok; then
+    PART_NOTE="reused (installed)"
+    return 0
+  fi
+  local p have=1
+  for p in apptainer libc6 libseccomp2 libsqlite3-0; do
+    compgen -G "$DEBS/${p}_*.deb" >/dev/null || have=0
+  done
+  if [ "$have" = 1 ]; then
+    PART_NOTE="reused cached .debs"
+    return 0
+  fi
+  mkdir -p "$APT_U/state" "$APT_U/lists/partial" "$APT_U/cache/archives/partial"
+  : >"$APT_U/status"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $MIRROR unstable main" \
+    >"$APT_U/unstable.list"
+  apt_u update
+  local ver
+  ver=$(apt_u -qq madison apptainer 2>/dev/null | awk -F'|' '{ gsub(/ /, "", $2); print $2 }' |
+    grep -m1 "^${APPTAINER_WANT//./\\.}-" || true)
+  local want=apptainer
+  if [ -n "$ver" ]; then
+    want="apptainer=$ver"
+  else
+    echo "WARNING: unstable has no apptainer $APPTAINER_WANT; taking its candidate" >&2
+  fi
+  local tmp
+  tmp=$(mktemp -d "$CACHE/debs.XXXXXX")
+  (cd "$tmp" && apt_u download "$want" libc6 libseccomp2 libsqlite3-0)
+  rm -rf "$DEBS"
+  mv "$tmp" "$DEBS"
+  PART_NOTE="downloaded $(cd "$DEBS" && echo *.deb)"
+}
+part_apptainer_install() {
+  local notes=()
+  if apptainer_ok; then
+    notes+=("apptainer $APPTAINER_WANT reused")
+  else
+    local scratch f
+    scratch=$(mktemp -d "$CACHE/apptainer-unpack.XXXXXX")
+    for f in "$DEBS"/*.deb; do dpkg-deb -x "$f" "$scratch"; done
+    # The private glibc (plus unstable's libseccomp and libsqlite), dereferenced.
+    rm -rf "$APPTAINER_GLIBC.new"
+    mkdir -p "$APPTAINER_GLIBC.new"
+    cp -L "$scratch"/usr/lib/x86_64-linux-gnu/*.so* "$APPTAINER_GLIBC.new/"
+    [ -f "$APPTAINER_GLIBC.new/ld-linux-x86-64.so.2" ] || die "no ld-linux-x86-64.so.2 in unstable's libc6"
+    # Point apptainer's two ELF programs at it (--force-rpath: a RUNPATH would not reach the
+    # libraries' own dependencies), before anything is moved into place.
+    for f in "$scratch/usr/bin/apptainer" "$scratch$APPTAINER_STARTER"; do
+      patchelf --set-interpreter "$APPTAINER_GLIBC/ld-linux-x86-64.so.2" \
+        --force-rpath --set-rpath "$APPTAINER_GLIBC" "$f"
+    done
+    # Swap things in by rename, so a running apptainer is never left half-installed.
+    rm -rf "$APPTAINER_GLIBC.old"
+    [ ! -e "$APPTAINER_GLIBC" ] || mv "$APPTAINER_GLIBC" "$APPTAINER_GLIBC.old"
+    mv "$APPTAINER_GLIBC.new" "$APPTAINER_GLIBC"
+    rm -rf "$APPTAINER_GLIBC.old"
+    local libdir=/usr/lib/x86_64-linux-gnu/apptainer
+    rm -rf "$libdir.new" "$libdir.old"
+    cp -a "$scratch$libdir" "$libdir.new"
+    [ ! -e "$libdir" ] || mv "$libdir" "$libdir.old"
+    mv "$libdir.new" "$libdir"
+    rm -rf "$libdir.old"
+    for f in "$scratch"/usr/bin/*; do
+      cp -a "$f" "/usr/bin/.$(basename "$f").new"
+      mv -f "/usr/bin/.$(basename "$f").new" "/usr/bin/$(basename "$f")"
+    done
+    mkdir -p /etc/apptainer /var/lib/apptainer
+    cp -a "$scratch/etc/apptainer/." /etc/apptainer/
+    if [ -d "$scratch/var/lib/apptainer" ]; then cp -a "$scratch/var/lib/apptainer/." /var/lib/apptainer/; fi
+    if [ -d "$scratch/usr/share" ]; then cp -a "$scratch/usr/share/." /usr/share/ 2>/dev/null || true; fi
+    rm -rf "$scratch"
+    local v
+    v=$(apptainer_version)
+    [ -n "$v" ] || die "the installed apptainer does not run"
+    if [ "$v" != "$APPTAINER_WANT" ]; then
+      echo "[provision] WARNING: apptainer version is $v, not $APPTAINER_WANT" >&2
+    fi
+    echo "$v" >"$STATE/apptainer.stamp"
+    notes+=("apptainer $v installed")
+  fi
+  if [ "$(readlink /usr/bin/singularity 2>/dev/null || true)" != apptainer ]; then
+    rm -f /usr/bin/singularity
+    ln -s apptainer /usr/bin/singularity
+  fi
+
+  # An ordinary local user for "another user" / "as a non-root user" tests.
+  if ! id "$OTHER_USER" >/dev/null 2>&1; then
+    useradd -m -s /bin/bash "$OTHER_USER"
+    notes+=("user $OTHER_USER created")
+  fi
+  # Subordinate ids for --fakeroot (useradd may have added the user's own line already).
+  local u start
+  for u in root:1000000 "$OTHER_USER":1100000; do
+    start=${u#*:} u=${u%%:*}
+    for f in /etc/subuid /etc/subgid; do
+      touch "$f"
+      grep -q "^$u:" "$f" || echo "$u:$start:65536" >>"$f"
+    done
+  done
+  # The project's interpreter lives under /root/.pyenv: let the other user traverse /root (not
+  # list it) so tests can run our environment and CLI as an ordinary user.
+  chmod o+x /root
+  # squashfuse as a non-root user needs /dev/fuse.
+  [ -e /dev/fuse ] || mknod -m 666 /dev/fuse c 10 229
+  chmod 666 /dev/fuse
+  PART_NOTE=$(
+    IFS=,
+    echo "${notes[*]}"
+  )
+}
+
+# ----------------------------------------------------------------------------------------------
+# 6. Base images, from debootstrap root file systems cached as tarballs
+image_present() { docker image inspect "$1" >/dev/null 2>&1; }
+umount_under() { # unmount whatever a killed debootstrap left mounted below $1
+  local m
+  for m in $(awk -v d="$1" 'index($2, d "/") == 1 { print $2 }' /proc/mounts | sort -r); do
+    umount -l "$m" || true
+  done
+}
+# build_rootfs NAME INCLUDE(comma list or empty): -> $CACHE/rootfs/NAME.tar
+build_rootfs() {
+  local name=$1 include=$2 tar=$CACHE/rootfs/$1.tar root
+  if [ -s "$tar" ]; then
+    PART_NOTE="reused $tar"
+    return 0
+  fi
+  mkdir -p "$CACHE/rootfs" "$STATE/build"
+  root=$STATE/build/$name
+  umount_under "$root"
+  rm -rf "$root"
+  local args=(--variant=minbase)
+  [ -z "$include" ] || args+=("--include=$include")
+  debootstrap "${args[@]}" bookworm "$root" "$MIRROR" >"$LOGS/debootstrap-$name.log" 2>&1 || {
+    tail -n 30 "$LOGS/debootstrap-$name.log"
+    umount_under "$root"
+    return 1
+  }
+  umount_under "$root"
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/debootstrap
+  tar -C "$root" --numeric-owner -cf "$tar.tmp" .
+  mv "$tar.tmp" "$tar"
+  rm -rf "$root"
+  PART_NOTE="debootstrapped $tar ($(du -m "$tar" | cut -f1) MB)"
+}
+bg_rootfs_python() {
+  if image_present "$BASE_IMAGE" 2>/dev/null && [ -s "$CACHE/rootfs/debian-bookworm.tar" ]; then
+    PART_NOTE="reused"
+    return 0
+  fi
+  build_rootfs debian-bookworm python3,python3-venv,tmux,procps,ca-certificates
+}
+bg_rootfs_nopython() {
+  if image_present "$NOPY_IMAGE" 2>/dev/null && [ -s "$CACHE/rootfs/debian-nopython-bookworm.tar" ]; then
+    PART_NOTE="reused"
+    return 0
+  fi
+  build_rootfs debian-nopython-bookworm ""
+}
+import_image() { # IMAGE TAR
+  if image_present "$1"; then
+    echo "$1 reused"
+    return 0
+  fi
+  docker import --change 'CMD ["/bin/bash"]' "$2" "$1" >/dev/null
+  echo "$1 imported"
+}
+part_images() {
+  local a b
+  a=$(import_image "$BASE_IMAGE" "$CACHE/rootfs/debian-bookworm.tar")
+  b=$(import_image "$NOPY_IMAGE" "$CACHE/rootfs/debian-nopython-bookworm.tar")
+  if [[ $a == *imported ]]; then
+    docker run --rm "$BASE_IMAGE" python3 -c 'import sys, venv; assert sys.version_info[:2] == (3, 11)' ||
+      die "$BASE_IMAGE has no working python3"
+  fi
+  if [[ $b == *imported ]] && docker run --rm "$NOPY_IMAGE" sh -c 'command -v python3' >/dev/null 2>&1; then
+    die "$NOPY_IMAGE has a python3"
+  fi
+  PART_NOTE="$a, $b"
+}
+
+# ----------------------------------------------------------------------------------------------
+# 7. Wheels for containers (pip inside a container cannot pass the TLS proxy)
+bg_wheels() {
+  local marker=$WHEELS/.complete want
+  want="py3.11 manylinux2014_x86_64: ${WHEEL_PKGS[*]}"
+  if [ -f "$marker" ] && [ "$(cat "$marker")" = "$want" ]; then
+    PART_NOTE="reused $WHEELS"
+    return 0
+  fi
+  local py=python3
+  mkdir -p "$WHEELS"
+  # Outside any project folder, so a .python-version there does not matter.
+  (cd / && PIP_FIND_LINKS="" "$py" -m pip download -q -d "$WHEELS" --only-binary=:all: \
+    --python-version 3.11 --platform manylinux2014_x86_64 "${WHEEL_PKGS[@]}")
+  echo "$want" >"$marker"
+  PART_NOTE="downloaded $(find "$WHEELS" -name '*.whl' | wc -l) wheels"
+}
+
+# ----------------------------------------------------------------------------------------------
+# 8. The env file for the tests
+part_env() {
+  local tmp
+  tmp=$(mktemp "$STATE/env.XXXXXX")
+  cat >"$tmp" <<EOF
+# Written by harbor-hpc's .ci/provision.sh: what the integration tests need.
+export HARBOR_HPC_TEST_REGISTRY=localhost:5000
+export HARBOR_HPC_TEST_AUTH_REGISTRY=localhost:5001
+export HARBOR_HPC_TEST_AUTH_USER=$AUTH_USER
+export HARBOR_HPC_TEST_AUTH_PASSWORD=$AUTH_PASSWORD
+export HARBOR_HPC_TEST_BASE_IMAGE=$BASE_IMAGE
+export HARBOR_HPC_TEST_NOPY_IMAGE=$NOPY_IMAGE
+export HARBOR_HPC_TEST_WHEELS=$WHEELS
+export HARBOR_HPC_TEST_OTHER_USER=$OTHER_USER
+export HARBOR_HPC_TEST_SLURM_PARTITION=debug
+EOF
+  chmod 644 "$tmp"
+  if cmp -s "$tmp" "$ENV_FILE"; then
+    rm -f "$tmp"
+    PART_NOTE="unchanged $ENV_FILE"
+  else
+    mv "$tmp" "$ENV_FILE"
+    PART_NOTE="wrote $ENV_FILE"
+  fi
+}
+
+# ----------------------------------------------------------------------------------------------
+log "mirror: $MIRROR; logs: $LOGS"
+# Independent of the packages: start at once.
+bg_start 5a-apptainer-fetch part_apptainer_fetch
+bg_start 7-wheels bg_wheels
+timed "1 apt packages" part_apt
+# debootstrap is installed now: build both root file systems while the rest goes on.
+bg_start 6a-rootfs-python bg_rootfs_python
+bg_start 6b-rootfs-nopython bg_rootfs_nopython
+timed "2 docker engine" part_docker
+timed "3 registries" part_registries
+timed "4 munge+slurm" part_slurm
+bg_wait 5a-apptainer-fetch
+timed "5b apptainer install" part_apptainer_install
+bg_wait 6a-rootfs-python
+bg_wait 6b-rootfs-nopython
+timed "6c base images" part_images
+bg_wait 7-wheels
+timed "8 env file" part_env
+log "$(printf '%-22s %6ss' "total" "$(elapsed "$T_START")")"

@@ -1,0 +1,329 @@
+"""Convert every image of a manifest into the .sif store: here, in parallel, or on Slurm nodes.
+
+Images already in the store cost two `stat` calls each, so a rerun does only what is left. Each
+finished image is written into the manifest (`ImageRecord.sif`) as soon as it is done, so an
+interrupted run keeps what it finished. A failing image is reported with the tasks it serves and
+the others go on.
+
+With Slurm, the images not yet cached become one submitit array job, one element per image;
+the elements convert through the same locked store, so a node never repeats another's work. The
+submitting process waits, reading each element's result file, and asks `squeue` (not `sacct`,
+which clusters often lack) whether an element without a result is still alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from harbor_hpc.apptainer.store import ensure_sif, is_ready, nohttps_default, sif_path_for
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.results.status import queued_slurm_jobs
+from harbor_hpc.tasks.manifest import ImageRecord, Manifest, load_manifest, update_manifest
+
+if TYPE_CHECKING:
+    import submitit
+
+log = logging.getLogger(__name__)
+
+SourceKind = Literal["registry", "docker-daemon"]
+State = Literal["cached", "converted", "failed", "to convert"]
+
+# mksquashfs is the slow part and uses every core it gets; memory stays modest.
+SLURM_CPUS = 2
+SLURM_MEM_GB = 4
+POLL_S = 2.0
+# A result file can show up on a shared filesystem a little after its job left the queue.
+VANISHED_GRACE_S = 30.0
+SQUEUE_EVERY_S = 15.0
+
+
+@dataclass
+class ImageConversion:
+    """One distinct image of the manifest: what it is, which tasks use it, how it went."""
+
+    image: str  # as the user knows it: the pinned reference or the local tag
+    source: str  # what the store converts (`docker-daemon://...` for local images)
+    keys: list[str]  # manifest image entries that are this image
+    tasks: list[str]
+    sif: Path | None = None
+    state: State = "to convert"
+    error: str | None = None
+    hint: str | None = None
+    seconds: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("cached", "converted")
+
+    def tasks_text(self, shown: int = 3) -> str:
+        names = ", ".join(self.tasks[:shown]) or "no tasks"
+        more = len(self.tasks) - shown
+        return f"{names} and {more} more" if more > 0 else names
+
+    def fail(self, error: str, hint: str | None = None) -> None:
+        self.state, self.error, self.hint = "failed", error, hint
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "image": self.image,
+            "source": self.source,
+            "state": self.state,
+            "sif": str(self.sif) if self.sif else None,
+            "tasks": self.tasks,
+            "error": self.error,
+            "hint": self.hint,
+            "seconds": None if self.seconds is None else round(self.seconds, 1),
+        }
+
+
+@dataclass
+class SlurmOptions:
+    """Where and how the conversion array job runs; None fields leave Slurm's defaults."""
+
+    log_dir: Path
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int = 60
+    array_parallelism: int | None = None
+
+
+def plan_conversions(
+    manifest_path: Path,
+    cache_dir: Path,
+    *,
+    source: SourceKind = "registry",
+    nohttps: bool | None = None,
+    force: bool = False,
+) -> list[ImageConversion]:
+    """The manifest's distinct images and whether each is cached; writes nothing.
+
+    Images that cannot be converted at all (build failed, never pushed, not in the local Docker)
+    come back already `failed`, naming why.
+    """
+    if not manifest_path.is_file():
+        raise InputError(
+            f"{manifest_path}: no such manifest", hint="make one with `harbor-hpc build`"
+        )
+    manifest = load_manifest(manifest_path)
+    cache_dir = cache_dir.expanduser().absolute()
+    by_sif: dict[Path, ImageConversion] = {}
+    unusable: list[ImageConversion] = []
+    for key, record in sorted(manifest.images.items()):
+        conversion = _conversion_for(record, key, source)
+        if conversion.state == "failed":
+            unusable.append(conversion)
+            continue
+        try:
+            sif = sif_path_for(conversion.source, cache_dir, nohttps=nohttps)
+        except HarborHpcError as exc:
+            conversion.fail(exc.message, exc.hint)
+            unusable.append(conversion)
+            continue
+        known = by_sif.get(sif)
+        if known is not None:  # two build contexts that produced the very same image
+            known.keys.append(key)
+            known.tasks.extend(conversion.tasks)
+            continue
+        conversion.sif = sif
+        if not force and is_ready(sif):
+            conversion.state = "cached"
+        by_sif[sif] = conversion
+    return [*by_sif.values(), *unusable]
+
+
+def _conversion_for(record: ImageRecord, key: str, source: SourceKind) -> ImageConversion:
+    if source == "docker-daemon":
+        image = record.tagged
+        conversion = ImageConversion(image, f"docker-daemon://{image}", [key], list(record.tasks))
+    else:
+        image = record.reference or record.tagged
+        conversion = ImageConversion(image, image, [key], list(record.tasks))
+    if record.error:
+        conversion.fail(
+            f"the image was not built: {record.error}", "fix the build and run `harbor-hpc build`"
+        )
+    elif source == "registry" and record.reference is None:
+        conversion.fail(
+            "the image has no registry digest (not pushed yet)",
+            "run `harbor-hpc build` to push it, or convert with --source docker-daemon",
+        )
+    return conversion
+
+
+def run_conversions(
+    manifest_path: Path,
+    conversions: list[ImageConversion],
+    cache_dir: Path,
+    *,
+    jobs: int = 2,
+    nohttps: bool | None = None,
+    force: bool = False,
+    slurm: SlurmOptions | None = None,
+    on_done: Callable[[ImageConversion], None] | None = None,
+    on_submitted: Callable[[str], None] | None = None,
+) -> list[ImageConversion]:
+    """Convert the planned images not yet cached and record every good .sif in the manifest.
+
+    `on_done` is called once per converted or failed image, as it finishes (for progress);
+    `on_submitted` with the Slurm array job's id once it is queued.
+    """
+    cache_dir = cache_dir.expanduser().absolute()
+    use_http = nohttps_default() if nohttps is None else nohttps
+    _record(manifest_path, [c for c in conversions if c.state == "cached"])
+    todo = [c for c in conversions if c.state == "to convert"]
+    if not todo:
+        return conversions
+    if slurm is None:
+        finished = _convert_here(todo, cache_dir, jobs=jobs, nohttps=use_http, force=force)
+    else:
+        finished = _convert_on_slurm(
+            todo, cache_dir, slurm, nohttps=use_http, force=force, on_submitted=on_submitted
+        )
+    for conversion in finished:
+        _record(manifest_path, [conversion])
+        if on_done is not None:
+            on_done(conversion)
+    return conversions
+
+
+def _record(manifest_path: Path, conversions: list[ImageConversion]) -> None:
+    """Write the .sif of each good conversion into the manifest (skipped when already there)."""
+    wanted = {key: str(c.sif) for c in conversions if c.ok and c.sif is not None for key in c.keys}
+    if not wanted or _already_recorded(load_manifest(manifest_path), wanted):
+        return
+    with update_manifest(manifest_path) as manifest:
+        for key, sif in wanted.items():
+            if key in manifest.images:
+                manifest.images[key].sif = sif
+
+
+def _already_recorded(manifest: Manifest, wanted: dict[str, str]) -> bool:
+    return all(
+        key not in manifest.images or manifest.images[key].sif == sif for key, sif in wanted.items()
+    )
+
+
+def _convert_here(
+    todo: list[ImageConversion], cache_dir: Path, *, jobs: int, nohttps: bool, force: bool
+) -> Iterable[ImageConversion]:
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="convert") as pool:
+        futures = {
+            pool.submit(_timed_convert, c.source, cache_dir, nohttps, force): c for c in todo
+        }
+        for future in as_completed(futures):
+            conversion = futures[future]
+            _apply(conversion, future.result())
+            yield conversion
+
+
+def convert_one(source: str, cache_dir: str, nohttps: bool, force: bool) -> dict[str, Any]:
+    """One image into the store; a plain dict either way, so it pickles back from Slurm nodes."""
+    return _timed_convert(source, Path(cache_dir), nohttps, force)
+
+
+def _timed_convert(source: str, cache_dir: Path, nohttps: bool, force: bool) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        sif = ensure_sif(source, cache_dir, nohttps=nohttps, force=force)
+    except HarborHpcError as exc:
+        return {"error": exc.message, "hint": exc.hint, "seconds": time.monotonic() - started}
+    return {"sif": str(sif), "seconds": time.monotonic() - started}
+
+
+def _apply(conversion: ImageConversion, outcome: dict[str, Any]) -> None:
+    conversion.seconds = outcome.get("seconds")
+    if "sif" in outcome:
+        conversion.sif = Path(outcome["sif"])
+        conversion.state = "converted"
+    else:
+        # The store names the image first; the report names it already.
+        error = str(outcome.get("error")).removeprefix(f"{conversion.source}: ")
+        conversion.fail(error, outcome.get("hint"))
+
+
+def _convert_on_slurm(
+    todo: list[ImageConversion],
+    cache_dir: Path,
+    options: SlurmOptions,
+    *,
+    nohttps: bool,
+    force: bool,
+    on_submitted: Callable[[str], None] | None,
+) -> Iterable[ImageConversion]:
+    import submitit  # here: it costs a tenth of a second at every start of the CLI otherwise
+    from submitit.core.utils import FailedJobError
+
+    if shutil.which("sbatch") is None:
+        raise HarborHpcError(
+            "--slurm, but sbatch is not on PATH",
+            hint="run convert on a login node of the cluster, or without --slurm",
+        )
+    executor = submitit.AutoExecutor(folder=options.log_dir / "%j", cluster="slurm")
+    parameters: dict[str, Any] = {
+        "name": "harbor-hpc-convert",
+        "timeout_min": options.time_min,
+        "cpus_per_task": SLURM_CPUS,
+        "mem_gb": SLURM_MEM_GB,
+        "slurm_partition": options.partition,
+        "slurm_account": options.account,
+        "slurm_qos": options.qos,
+        "slurm_array_parallelism": options.array_parallelism,
+    }
+    executor.update_parameters(**{k: v for k, v in parameters.items() if v is not None})
+    # Registry credentials reach the nodes in the environment sbatch exports, never in the
+    # job's script or its pickled arguments.
+    try:
+        jobs = executor.map_array(
+            convert_one,
+            [c.source for c in todo],
+            [str(cache_dir)] * len(todo),
+            [nohttps] * len(todo),
+            [force] * len(todo),
+        )
+    except FailedJobError as exc:  # what submitit raises when sbatch refuses the job
+        raise HarborHpcError(
+            f"Slurm refused the conversion job: {' '.join(str(exc).split())}",
+            hint="check --partition, --account and --qos (`sinfo` lists the partitions)",
+        ) from None
+    if on_submitted is not None:
+        on_submitted(jobs[0].job_id.split("_")[0])
+    pending = dict(zip(jobs, todo, strict=True))
+    vanished: dict[submitit.Job[dict[str, Any]], float] = {}
+    last_squeue = time.monotonic()
+    while pending:
+        for job in [j for j in pending if j.paths.result_pickle.exists()]:
+            conversion = pending.pop(job)
+            _apply(conversion, _job_outcome(job))
+            yield conversion
+        if pending and time.monotonic() - last_squeue >= SQUEUE_EVERY_S:
+            last_squeue = time.monotonic()
+            alive = queued_slurm_jobs([job.job_id for job in pending])
+            now = time.monotonic()
+            for job in [j for j in pending if j.job_id not in alive]:
+                if now - vanished.setdefault(job, now) >= VANISHED_GRACE_S:
+                    conversion = pending.pop(job)
+                    conversion.fail(
+                        f"Slurm job {job.job_id} ended without a result",
+                        f"see its log {job.paths.stderr}; run convert again to retry",
+                    )
+                    yield conversion
+        if pending:
+            time.sleep(POLL_S)
+
+
+def _job_outcome(job: submitit.Job[dict[str, Any]]) -> dict[str, Any]:
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    try:
+        return job.result()
+    except (FailedJobError, UncompletedJobError) as exc:
+        last_line = str(exc).strip().splitlines()[-1:] or ["no message"]
+        return {"error": f"Slurm job {job.job_id} failed: {last_line[0]}", "hint": None}

@@ -1,0 +1,17 @@
+"""Why a trial failed inside our environment, as exception types Harbor records by name.
+
+Harbor stores a failed trial's exception type and message in result.json (`exception_info`);
+`harbor-hpc status` classifies failures by these names, so keep them stable.
+"""
+
+
+class MemoryLimitExceeded(RuntimeError):
+    """The memory watchdog killed the container: its message names the limit and the peak."""
+
+
+class SetupScriptFailed(RuntimeError):
+    """environment/files/setup.sh exited non-zero; the message carries its output."""
+
+
+class ImageUnavailable(RuntimeError):
+    """The task's image (a .sif path or a registry reference) could not be found or converted."""

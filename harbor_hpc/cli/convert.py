@@ -1,0 +1,183 @@
+"""`harbor-hpc convert`: every image of a manifest into the shared .sif store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from harbor_hpc.apptainer.convert import (
+    ImageConversion,
+    SlurmOptions,
+    SourceKind,
+    plan_conversions,
+    run_conversions,
+)
+from harbor_hpc.apptainer.store import default_cache_dir
+from harbor_hpc.cli.app import (
+    DryRunOption,
+    JobsOption,
+    JsonOption,
+    VerboseOption,
+    app,
+    console,
+    info,
+    print_json,
+    progress,
+    setup,
+    stdout,
+)
+from harbor_hpc.core.errors import InputError
+
+SOURCES: tuple[SourceKind, ...] = ("registry", "docker-daemon")
+
+
+@app.command()
+def convert(
+    manifest: Annotated[
+        Path | None,
+        typer.Option("--manifest", "-m", help="The manifest `build` wrote. \\[config: manifest]"),
+    ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache-dir",
+            help="The .sif store, shared by users and nodes. Default: $HARBOR_HPC_CACHE, "
+            "else cache_dir from the config, else ~/.cache/harbor-hpc/sif.",
+        ),
+    ] = None,
+    jobs: JobsOption = None,
+    nohttps: Annotated[
+        bool,
+        typer.Option(
+            "--nohttps",
+            help="Reach the registry over plain HTTP (a loopback or lab registry). Off unless "
+            "given, set in the config (nohttps) or by APPTAINER_NOHTTPS=1.",
+        ),
+    ] = False,
+    source: Annotated[
+        str,
+        typer.Option(
+            "--source",
+            help="registry: pull each image by its digest. docker-daemon: build from this "
+            "machine's Docker by the image's tag (for images built here and not pushed).",
+        ),
+    ] = "registry",
+    force: Annotated[
+        bool, typer.Option("--force", help="Convert again even images already in the store.")
+    ] = False,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm",
+            help="Convert on compute nodes: one Slurm array job, one element per image not yet "
+            "in the store; waits for it.",
+        ),
+    ] = False,
+    partition: Annotated[
+        str | None, typer.Option("--partition", help="Slurm partition. \\[config: partition]")
+    ] = None,
+    account: Annotated[
+        str | None, typer.Option("--account", help="Slurm account. \\[config: account]")
+    ] = None,
+    qos: Annotated[str | None, typer.Option("--qos", help="Slurm QOS. \\[config: qos]")] = None,
+    time_min: Annotated[
+        int | None,
+        typer.Option("--time-min", min=1, help="Time limit per image, minutes. \\[default: 60]"),
+    ] = None,
+    dry_run: DryRunOption = False,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Turn every image of a manifest into a checked .sif in the store, each image once.
+
+    Files are named by image digest (sha256-<hex>.sif), so tasks, datasets and users that share an
+    image share one file. Images already in the store are skipped in milliseconds; each new .sif
+    is checked to run before it counts, and recorded in the manifest for `rewrite --sif`. Safe to
+    run from many shells or nodes at once on one store. Registry logins come from
+    APPTAINER_DOCKER_USERNAME and APPTAINER_DOCKER_PASSWORD.
+
+    Exits 1 when any image failed (each one named with the tasks it serves); the rest are done.
+
+    Example: harbor-hpc convert -m manifest.json --cache-dir /scratch/$USER/sif --slurm
+    """
+    config = setup(verbose)
+    manifest_path = config.pick("manifest", manifest, None)
+    if manifest_path is None:
+        raise InputError("no manifest given", hint="pass --manifest FILE (written by `build`)")
+    if source not in SOURCES:
+        raise InputError(f"--source {source!r} is not one of: {', '.join(SOURCES)}")
+    if slurm and source == "docker-daemon":
+        raise InputError(
+            "--source docker-daemon reads this machine's Docker, which compute nodes lack",
+            hint="push the images (`harbor-hpc build`) and convert from the registry with --slurm",
+        )
+    store = cache_dir or default_cache_dir(config.values.get("cache_dir"))
+    use_http = True if nohttps else config.pick("nohttps", None, None)
+    kind: SourceKind = "docker-daemon" if source == "docker-daemon" else "registry"
+    planned = plan_conversions(
+        Path(manifest_path), store, source=kind, nohttps=use_http, force=force
+    )
+    if not dry_run:
+        slurm_options = None
+        log_dir = store.expanduser().absolute() / ".slurm"
+        if slurm:
+            slurm_options = SlurmOptions(
+                log_dir=log_dir,
+                partition=config.pick("partition", partition, None),
+                account=config.pick("account", account, None),
+                qos=config.pick("qos", qos, None),
+                # Not the config's time_min: that one sizes trials, not conversions.
+                time_min=time_min or 60,
+                array_parallelism=config.pick("array_parallelism", None, None),
+            )
+        todo = sum(c.state == "to convert" for c in planned)
+        with progress() as bar:
+            task = bar.add_task("converting", total=todo, current="")
+            run_conversions(
+                Path(manifest_path),
+                planned,
+                store,
+                jobs=config.pick("jobs", jobs, 2),
+                nohttps=use_http,
+                force=force,
+                slurm=slurm_options,
+                on_done=lambda c: bar.update(task, advance=1, current=c.image),
+                on_submitted=lambda job: info(
+                    f"Slurm array job {job}: {todo} image(s), logs in {log_dir}"
+                ),
+            )
+    _report(planned, store, json=json, dry_run=dry_run)
+    if any(c.state == "failed" for c in planned):
+        raise typer.Exit(1)
+
+
+def _report(planned: list[ImageConversion], store: Path, *, json: bool, dry_run: bool) -> None:
+    counts = {state: sum(c.state == state for c in planned) for state in _STATES}
+    if json:
+        print_json(
+            {
+                "cache_dir": str(store),
+                "dry_run": dry_run,
+                **{state.replace(" ", "_"): count for state, count in counts.items()},
+                "images": [c.to_json() for c in planned],
+            }
+        )
+        return
+    for conversion in planned:
+        if conversion.state == "failed":
+            console.print(
+                f"[red bold]failed:[/] {conversion.image} (tasks: {conversion.tasks_text()}): "
+                f"{conversion.error}",
+                highlight=False,
+            )
+            if conversion.hint:
+                console.print(f"  [dim]hint:[/] {conversion.hint}", highlight=False)
+        elif dry_run and conversion.state == "to convert":
+            stdout.print(f"would convert {conversion.image} -> {conversion.sif}", highlight=False)
+    summary = ", ".join(f"{count} {state}" for state, count in counts.items() if count)
+    stdout.print(f"{summary or 'no images'} (store: {store})", highlight=False)
+
+
+_STATES = ("converted", "cached", "to convert", "failed")

@@ -1,0 +1,100 @@
+"""`harbor-hpc doctor`: what this machine has for the cluster or the build role, and what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from harbor_hpc.cli.app import JsonOption, VerboseOption, app, console, print_json, setup, stdout
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.doctor import (
+    PART_TITLES,
+    REQUIRED_PARTS,
+    Check,
+    Report,
+    Role,
+    Status,
+    checks_as_json,
+    run_doctor,
+)
+
+_STYLES = {Status.OK: "green", Status.WARN: "yellow", Status.MISSING: "red bold"}
+
+
+@app.command()
+def doctor(
+    role: Annotated[
+        Role,
+        typer.Option(
+            "--role",
+            help="cluster: Apptainer + Slurm (login/compute nodes); build: Docker; all: both.",
+        ),
+    ] = Role.CLUSTER,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache-dir",
+            help="The .sif cache folder to check. Default: $HARBOR_HPC_CACHE, else cache_dir "
+            "from the config, else ~/.cache/harbor-hpc/sif.",
+        ),
+    ] = None,
+    json: JsonOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Check what this machine has for a role: each part probed for real, each gap with a fix.
+
+    Exits 0 when the parts the role needs work, 1 otherwise.
+
+    cluster: Apptainer runs a tiny image here (built once into the cache), Slurm answers.
+
+    build: the Docker Engine answers (through DOCKER_HOST or the default socket).
+
+    Example: harbor-hpc doctor --role all --cache-dir /scratch/$USER/sif --json
+    """
+    try:
+        setup(verbose)
+        config_problem = None
+    except HarborHpcError as exc:  # a broken config file is one more finding, not the end
+        config_problem = exc
+    report = run_doctor(role, cache_dir)
+    if json:
+        print_json(checks_as_json(report.checks))
+    else:
+        stdout.print(_table(report))
+    if config_problem is not None:
+        console.print(
+            f"[yellow]warning:[/] config ignored: {config_problem.message}", highlight=False
+        )
+    if not report.ok:
+        names = ", ".join(PART_TITLES[part] for part in report.missing_parts)
+        needed = " + ".join(PART_TITLES[part] for part in REQUIRED_PARTS[role])
+        console.print(
+            f"[red bold]not ready[/] for the {role} role ({needed}): {names} missing; "
+            "see the fix column",
+            highlight=False,
+        )
+        raise typer.Exit(1)
+    console.print(f"[green]ready[/] for the {role} role", highlight=False)
+
+
+def _table(report: Report) -> Table:
+    table = Table(title=f"harbor-hpc doctor ({report.role} role)", show_lines=False)
+    columns = ["role", "part", "check", "status", "detail"]
+    if any(check.fix for check in report.checks):
+        columns.append("fix")
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    previous = None
+    for check in report.checks:
+        title = PART_TITLES[check.part] if check.part != previous else ""
+        previous = check.part
+        cells = [check.role if title else "", title, check.name, _status(check), check.detail]
+        table.add_row(*cells, check.fix) if "fix" in columns else table.add_row(*cells)
+    return table
+
+
+def _status(check: Check) -> str:
+    return f"[{_STYLES[check.status]}]{check.status}[/]"

@@ -1,0 +1,47 @@
+from pathlib import Path
+
+import pytest
+
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.tasks.discovery import discover_tasks
+
+
+def make_task(folder: Path, toml: str = "", dockerfile: bool = True) -> Path:
+    (folder / "environment").mkdir(parents=True)
+    (folder / "task.toml").write_text(toml)
+    if dockerfile:
+        (folder / "environment" / "Dockerfile").write_text("FROM scratch\n")
+    return folder
+
+
+def test_finds_tasks_at_any_depth_and_reports_problems(tmp_path: Path) -> None:
+    make_task(tmp_path / "a", '[environment]\ndocker_image = "img"\nmemory_mb = 512\n')
+    make_task(tmp_path / "deep" / "er" / "b", "[agent]\ntimeout_sec = 30\n")
+    make_task(tmp_path / "broken", "[environment\n")
+    make_task(tmp_path / "nodockerfile", dockerfile=False)
+    make_task(tmp_path / "badtype", "[environment]\nmemory_mb = 'lots'\n")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    (tmp_path / ".hidden").mkdir()
+    make_task(tmp_path / ".hidden" / "c")
+
+    found = discover_tasks(tmp_path)
+
+    assert [t.rel for t in found.tasks] == ["a", "deep/er/b"]
+    a, b = found.tasks
+    assert (a.docker_image, a.memory_mb) == ("img", 512)
+    assert b.timeout_sec("agent") == 30.0 and b.timeout_sec("verifier") is None
+    problems = {p.path.relative_to(tmp_path).as_posix(): p.message for p in found.problems}
+    assert problems.keys() == {"broken/task.toml", "nodockerfile", "badtype/task.toml", "link"}
+    assert "not valid TOML" in problems["broken/task.toml"]
+    assert "duplicate of" in problems["link"]
+
+
+def test_dockerfile_optional_and_root_task(tmp_path: Path) -> None:
+    make_task(tmp_path, dockerfile=False)
+    found = discover_tasks(tmp_path, require_dockerfile=False)
+    assert [t.rel for t in found.tasks] == ["."]
+
+
+def test_missing_root_is_input_error(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="not a folder"):
+        discover_tasks(tmp_path / "nope")
