@@ -50,7 +50,7 @@ def make_store(root: Path, images: int) -> Path:
 def timed_cli(manifest: Path, store: Path) -> float:
     env = {**os.environ, "HARBOR_HPC_APPTAINER": "false"}
     started = time.perf_counter()
-    command = ["convert", "-m", str(manifest), "--cache-dir", str(store), "--json"]
+    command = ["convert", "--manifest", str(manifest), "--cache-dir", str(store), "--json"]
     result = subprocess.run(
         [sys.executable, "-m", "harbor_hpc", *command],
         capture_output=True,

@@ -395,9 +395,9 @@ def _apptainer_registry(host: str, *, plain_http: bool) -> Registry:
     Docker login, users give Apptainer its credentials in the environment instead."""
     from harbor_hpc.images.registry import Registry  # here: `requests` is slow to import
 
-    registry = Registry(host, plain_http=plain_http)
     user = os.environ.get("APPTAINER_DOCKER_USERNAME")
     password = os.environ.get("APPTAINER_DOCKER_PASSWORD")
-    if user and password is not None:
-        registry._credentials = {"username": user, "password": password}
-    return registry
+    credentials = (
+        {"username": user, "password": password} if user and password is not None else None
+    )
+    return Registry(host, plain_http=plain_http, credentials=credentials)

@@ -62,7 +62,7 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     manifest = tmp_path / "manifest.json"
     write_manifest(manifest, {"one": record("localhost:5000/ns/a", DIGEST, ["t/1"])})
     before = manifest.read_text()
-    result = cli("-m", str(manifest), "--cache-dir", str(tmp_path / "store"), "--dry-run")
+    result = cli("--manifest", str(manifest), "--cache-dir", str(tmp_path / "store"), "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "would convert localhost:5000/ns/a@" in result.stdout
     assert manifest.read_text() == before
@@ -70,13 +70,13 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
-    result = cli("-m", str(tmp_path / "nope.json"))
+    result = cli("--manifest", str(tmp_path / "nope.json"))
     assert result.returncode == 2
     assert "nope.json: no such manifest" in result.stderr
     assert "Traceback" not in result.stderr
     manifest = tmp_path / "manifest.json"
     write_manifest(manifest, {})
-    result = cli("-m", str(manifest), "--slurm", "--source", "docker-daemon")
+    result = cli("--manifest", str(manifest), "--slurm", "--source", "docker-daemon")
     assert result.returncode == 2
     assert "compute nodes" in result.stderr
 
@@ -96,7 +96,7 @@ def test_convert_records_sifs_reports_failures_and_reruns_from_cache(
     )
     store = str(tiny_sif.parent)
 
-    result = cli("-m", str(manifest), "--cache-dir", store, "--nohttps", "--json")
+    result = cli("--manifest", str(manifest), "--cache-dir", store, "--nohttps", "--json")
     assert result.returncode == 1
     summary = json.loads(result.stdout)
     assert (summary["cached"], summary["failed"]) == (1, 1)
@@ -104,13 +104,13 @@ def test_convert_records_sifs_reports_failures_and_reruns_from_cache(
     assert failed["tasks"] == ["dom/lost"] and "manifest unknown" in failed["error"]
     assert load_manifest(manifest).images["good"].sif == str(tiny_sif)
 
-    human = cli("-m", str(manifest), "--cache-dir", store, "--nohttps")
+    human = cli("--manifest", str(manifest), "--cache-dir", store, "--nohttps")
     assert "gone@" in human.stderr and "dom/lost" in human.stderr
 
     # A fully cached rerun: no Apptainer call at all (bench/convert_cached.py times it).
     write_manifest(manifest, {"good": good})
     recording = {"HARBOR_HPC_APPTAINER": str(recorder.binary)}
-    rerun = cli("-m", str(manifest), "--cache-dir", store, env=recording)
+    rerun = cli("--manifest", str(manifest), "--cache-dir", store, env=recording)
     assert rerun.returncode == 0, rerun.stderr
     assert "1 cached" in rerun.stdout
     assert recorder.calls() == []
@@ -125,7 +125,12 @@ def test_convert_from_docker_daemon(tiny_image: TinyImage, tmp_path: Path) -> No
     name, tag = tiny_image.tag.split(":")
     write_manifest(manifest, {"local": ImageRecord(repository=name, tag=tag, tasks=["t/1"])})
     result = cli(
-        "-m", str(manifest), "--cache-dir", str(tmp_path / "store"), "--source", "docker-daemon"
+        "--manifest",
+        str(manifest),
+        "--cache-dir",
+        str(tmp_path / "store"),
+        "--source",
+        "docker-daemon",
     )
     assert result.returncode == 0, result.stderr
     sif = load_manifest(manifest).images["local"].sif
@@ -143,7 +148,7 @@ def test_convert_on_slurm(tiny_image: TinyImage, tmp_path: Path) -> None:
     store = tmp_path / "store"
     partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION", "debug")
     result = cli(
-        "-m", str(manifest), "--cache-dir", str(store), "--nohttps", "--slurm",
+        "--manifest", str(manifest), "--cache-dir", str(store), "--nohttps", "--slurm",
         "--partition", partition, "--time-min", "10", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
@@ -159,7 +164,9 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path) -> None:
     manifest = tmp_path / "manifest.json"
     write_manifest(manifest, {"img": record("localhost:5000/ns/a", DIGEST, ["t/1"])})
     store = str(tmp_path / "store")
-    result = cli("-m", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such")
+    result = cli(
+        "--manifest", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such"
+    )
     assert result.returncode == 1
     assert "Slurm refused the conversion job" in result.stderr
     assert "Traceback" not in result.stderr

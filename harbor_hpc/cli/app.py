@@ -12,6 +12,7 @@ import logging
 import sys
 from functools import cache
 from importlib.metadata import version
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -20,6 +21,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from harbor_hpc.core.config import Config, load_config
+from harbor_hpc.core.errors import InputError
 
 app = typer.Typer(
     name="harbor-hpc",
@@ -62,6 +64,14 @@ JobsOption = Annotated[
     int | None,
     typer.Option("--jobs", "-j", min=1, help="How many to work on in parallel. \\[default: 2]"),
 ]
+ManifestOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--manifest",
+        help="The image manifest (JSON) that `build` writes and the later steps read. "
+        "\\[config: manifest]",
+    ),
+]
 VerboseOption = Annotated[
     int, typer.Option("--verbose", "-v", count=True, help="More detail: -v info, -vv debug.")
 ]
@@ -88,6 +98,16 @@ def setup(verbose: int) -> Config:
 @cache
 def config() -> Config:
     return load_config()
+
+
+def manifest_path(flag: Path | None) -> Path:
+    """`--manifest`, else the config file's `manifest`; one of them is required."""
+    value = config().pick("manifest", None if flag is None else str(flag), None)
+    if value is None:
+        raise InputError(
+            "no manifest given", hint="pass --manifest FILE (written by `harbor-hpc build`)"
+        )
+    return Path(value)
 
 
 def verbosity() -> int:

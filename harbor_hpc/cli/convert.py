@@ -19,10 +19,12 @@ from harbor_hpc.cli.app import (
     DryRunOption,
     JobsOption,
     JsonOption,
+    ManifestOption,
     VerboseOption,
     app,
     console,
     info,
+    manifest_path,
     print_json,
     progress,
     setup,
@@ -35,10 +37,7 @@ SOURCES: tuple[SourceKind, ...] = ("registry", "docker-daemon")
 
 @app.command()
 def convert(
-    manifest: Annotated[
-        Path | None,
-        typer.Option("--manifest", "-m", help="The manifest `build` wrote. \\[config: manifest]"),
-    ] = None,
+    manifest: ManifestOption = None,
     cache_dir: Annotated[
         Path | None,
         typer.Option(
@@ -100,12 +99,10 @@ def convert(
 
     Exits 1 when any image failed (each one named with the tasks it serves); the rest are done.
 
-    Example: harbor-hpc convert -m manifest.json --cache-dir /scratch/$USER/sif --slurm
+    Example: harbor-hpc convert --manifest manifest.json --cache-dir /scratch/$USER/sif --slurm
     """
     config = setup(verbose)
-    manifest_path = config.pick("manifest", manifest, None)
-    if manifest_path is None:
-        raise InputError("no manifest given", hint="pass --manifest FILE (written by `build`)")
+    manifest_file = manifest_path(manifest)
     if source not in SOURCES:
         raise InputError(f"--source {source!r} is not one of: {', '.join(SOURCES)}")
     if slurm and source == "docker-daemon":
@@ -116,9 +113,7 @@ def convert(
     store = cache_dir or default_cache_dir(config.values.get("cache_dir"))
     use_http = True if nohttps else config.pick("nohttps", None, None)
     kind: SourceKind = "docker-daemon" if source == "docker-daemon" else "registry"
-    planned = plan_conversions(
-        Path(manifest_path), store, source=kind, nohttps=use_http, force=force
-    )
+    planned = plan_conversions(manifest_file, store, source=kind, nohttps=use_http, force=force)
     if not dry_run:
         slurm_options = None
         log_dir = store.expanduser().absolute() / ".slurm"
@@ -136,7 +131,7 @@ def convert(
         with progress() as bar:
             task = bar.add_task("converting", total=todo, current="")
             run_conversions(
-                Path(manifest_path),
+                manifest_file,
                 planned,
                 store,
                 jobs=config.pick("jobs", jobs, 2),

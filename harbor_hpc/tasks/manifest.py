@@ -31,6 +31,8 @@ class ImageRecord:
     digest: str | None = None
     error: str | None = None
     sif: str | None = None
+    # Local Docker image id of a `build --no-push` image: built here, not pinned in a registry.
+    image_id: str | None = None
 
     @property
     def reference(self) -> str | None:
@@ -98,6 +100,7 @@ class Manifest:
                     digest=value.get("digest"),
                     error=value.get("error"),
                     sif=value.get("sif"),
+                    image_id=value.get("image_id"),
                 )
                 for key, value in data["images"].items()
             }

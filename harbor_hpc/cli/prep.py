@@ -1,0 +1,339 @@
+"""`harbor-hpc build`, `rewrite`, `setup-sh`: preparing tasks' images and files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from harbor_hpc.cli.app import (
+    DryRunOption,
+    JobsOption,
+    JsonOption,
+    ManifestOption,
+    VerboseOption,
+    app,
+    info,
+    manifest_path,
+    print_json,
+    progress,
+    setup,
+    stdout,
+    warn,
+)
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.images.build import (
+    BuildPlan,
+    BuildResult,
+    ImageOutcome,
+    PlannedImage,
+    plan_build,
+    run_build,
+)
+from harbor_hpc.tasks.discovery import TaskProblem
+from harbor_hpc.tasks.manifest import Manifest, load_manifest
+from harbor_hpc.tasks.rewrite import RewriteResult, rewrite_tasks
+from harbor_hpc.tasks.setup_sh import SetupResult, write_setup_scripts
+
+TasksArgument = Annotated[
+    Path,
+    typer.Argument(
+        help="Folder holding the tasks: every folder below it with task.toml is one.",
+        show_default=False,
+    ),
+]
+_LISTED = 20
+
+
+@app.command(
+    help="Build one image per distinct build context, push it, and pin every task to it.\n\n"
+    "Tasks whose environment/ folders are identical (the Dockerfile and every file Docker would "
+    "send, .dockerignore honoured) share one image named from that content, "
+    "REGISTRY/NAMESPACE/env-<hash>. The manifest maps each task to "
+    "REGISTRY/NAMESPACE/NAME@sha256:... or to its error, and is updated as each image finishes. "
+    "A rerun builds only what the registry does not already hold.\n\n"
+    "Exits 1 naming the tasks whose image failed; the other images are still built."
+)
+def build(
+    tasks_dir: TasksArgument,
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            "--registry",
+            help="REGISTRY/NAMESPACE to push to, e.g. registry.example.org/myteam; credentials "
+            "come from your `docker login`. \\[default: config registry]",
+        ),
+    ] = None,
+    manifest: ManifestOption = None,
+    jobs: JobsOption = None,
+    no_push: Annotated[
+        bool,
+        typer.Option(
+            "--no-push",
+            help="Build and tag locally only. The manifest then records each image's local id "
+            "and tag but no pinned reference, so `rewrite` leaves those tasks alone until a "
+            "build that pushes (which reuses the local images instead of building again).",
+        ),
+    ] = False,
+    dry_run: DryRunOption = False,
+    json_output: JsonOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Build one image per distinct build context, push it, and pin every task to it."""
+    config = setup(verbose)
+    target = config.pick("registry", registry, "")
+    if not target:
+        raise InputError("no registry given", hint="pass --registry REGISTRY/NAMESPACE")
+    manifest_file = manifest_path(manifest)
+    plan = plan_build(tasks_dir, target, jobs=config.pick("jobs", jobs, 2))
+    if dry_run:
+        recorded = load_manifest(manifest_file) if manifest_file.exists() else None
+        _show_plan(plan, recorded, json_output)
+        return
+    with progress() as bar:
+        overall = bar.add_task("images", total=len(plan.images), current="")
+
+        def on_progress(image: PlannedImage, text: str) -> None:
+            bar.update(overall, current=f"{image.repository.rsplit('/', 1)[1]}: {text}")
+
+        def on_done(outcome: ImageOutcome) -> None:
+            bar.advance(overall)
+
+        result = run_build(
+            plan,
+            manifest_file,
+            push=not no_push,
+            jobs=config.pick("jobs", jobs, 2),
+            nohttps=config.pick("nohttps", None, False),
+            on_progress=on_progress,
+            on_done=on_done,
+        )
+    _show_build(result, json_output)
+    if result.failed_tasks or result.problems:
+        names = ", ".join(result.failed_tasks[:_LISTED])
+        more = len(result.failed_tasks) - _LISTED
+        raise HarborHpcError(
+            f"{len(result.failed_tasks)} task(s) have no image"
+            + (f": {names}" + (f" and {more} more" if more > 0 else "") if names else "")
+            + (
+                f"; {len(result.problems)} folder(s) are not valid tasks" if result.problems else ""
+            ),
+            hint=f"the errors are in {manifest_file}; fix them and run again (finished images are "
+            "kept)",
+        )
+
+
+def _problems_json(problems: list[TaskProblem]) -> list[dict[str, str]]:
+    return [{"path": str(problem.path), "message": problem.message} for problem in problems]
+
+
+def _show_problems(problems: list[TaskProblem]) -> None:
+    for problem in problems[:_LISTED]:
+        warn(str(problem))
+    if len(problems) > _LISTED:
+        warn(f"... and {len(problems) - _LISTED} more")
+
+
+def _show_plan(plan: BuildPlan, recorded: Manifest | None, json_output: bool) -> None:
+    def status(key: str) -> str:
+        record = recorded.images.get(key) if recorded else None
+        if record and record.digest:
+            return "recorded (checked against the registry on a real run)"
+        return "to build"
+
+    if json_output:
+        print_json(
+            {
+                "tasks": plan.task_count,
+                "contexts": len(plan.images),
+                "images": [
+                    {
+                        "context": key,
+                        "image": image.tagged,
+                        "tasks": image.tasks,
+                        "status": status(key),
+                    }
+                    for key, image in plan.images.items()
+                ],
+                "task_errors": plan.task_errors,
+                "problems": _problems_json(plan.problems),
+            }
+        )
+        return
+    table = Table(title=f"{plan.task_count} tasks, {len(plan.images)} distinct build contexts")
+    for column in ("image", "tasks", "example task", "status"):
+        table.add_column(column)
+    for key, image in plan.images.items():
+        table.add_row(image.tagged, str(len(image.tasks)), image.tasks[0], status(key))
+    stdout.print(table)
+    for task, error in sorted(plan.task_errors.items()):
+        warn(f"{task}: {error}")
+    _show_problems(plan.problems)
+
+
+def _show_build(result: BuildResult, json_output: bool) -> None:
+    if json_output:
+        print_json(
+            {
+                "manifest": str(result.manifest),
+                "images": [
+                    {
+                        "image": outcome.image.tagged,
+                        "reference": outcome.record.reference,
+                        "image_id": outcome.record.image_id,
+                        "tasks": len(outcome.image.tasks),
+                        "action": outcome.action,
+                        "error": outcome.record.error,
+                    }
+                    for outcome in result.outcomes
+                ],
+                "failed_tasks": result.failed_tasks,
+                "task_errors": result.task_errors,
+                "problems": _problems_json(result.problems),
+            }
+        )
+        return
+    table = Table(title=f"images -> {result.manifest}")
+    for column in ("image", "tasks", "result"):
+        table.add_column(column)
+    for outcome in result.outcomes:
+        shown = outcome.record.reference or outcome.image.tagged
+        text = outcome.record.error or outcome.action
+        style = "red" if outcome.failed else ""
+        table.add_row(
+            shown, str(len(outcome.image.tasks)), f"[{style}]{text}[/]" if style else text
+        )
+    stdout.print(table)
+    for task, error in sorted(result.task_errors.items()):
+        warn(f"{task}: {error}")
+    _show_problems(result.problems)
+
+
+@app.command(
+    help="Set \\[environment].docker_image of every task to its pinned image from the manifest."
+    "\n\nOnly that value changes; every other byte of task.toml stays. Tasks whose image failed, "
+    "is not built, or (with --sif) has no .sif yet are left untouched and listed; task.toml "
+    "files that do not parse are named. Exits 1 when any task was left out. Safe to run again."
+)
+def rewrite(
+    tasks_dir: TasksArgument,
+    manifest: ManifestOption = None,
+    sif: Annotated[
+        bool,
+        typer.Option(
+            "--sif",
+            help="Point docker_image at each image's .sif that `harbor-hpc convert` recorded, "
+            "instead of the registry reference.",
+        ),
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print a unified diff of each change; write nothing.")
+    ] = False,
+    json_output: JsonOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Set [environment].docker_image of every task to its pinned image from the manifest."""
+    setup(verbose)
+    manifest_file = manifest_path(manifest)
+    result = rewrite_tasks(tasks_dir, manifest_file, sif=sif, dry_run=dry_run)
+    _show_rewrite(result, dry_run, json_output)
+    if not result.ok:
+        raise HarborHpcError(
+            f"{len(result.skipped)} task(s) left untouched, {len(result.problems)} not readable",
+            hint="build (or convert) what is missing, fix the named files, and run again",
+        )
+
+
+def _show_rewrite(result: RewriteResult, dry_run: bool, json_output: bool) -> None:
+    if json_output:
+        data: dict[str, Any] = {
+            "changed": result.changed,
+            "unchanged": len(result.unchanged),
+            "skipped": result.skipped,
+            "problems": _problems_json(result.problems),
+        }
+        if dry_run:
+            data["diffs"] = result.diffs
+        print_json(data)
+        return
+    for task in result.changed if dry_run else []:
+        stdout.print(result.diffs[task], end="", highlight=False, markup=False)
+    verb = "would change" if dry_run else "changed"
+    info(f"{verb} {len(result.changed)}, already right {len(result.unchanged)}")
+    for task, reason in list(result.skipped.items())[:_LISTED]:
+        warn(f"{task}: left untouched: {reason}")
+    if len(result.skipped) > _LISTED:
+        warn(f"... and {len(result.skipped) - _LISTED} more left untouched")
+    _show_problems(result.problems)
+
+
+@app.command(
+    "setup-sh",
+    help="Write environment/files/setup.sh into every task that has none.\n\n"
+    "The script runs before the agent in Harbor's and NeMo Gym's Singularity flows: it makes the "
+    "exec server's uvicorn and fastapi importable (doing nothing when they already are) and, "
+    "with --replay-copy, copies in what the Dockerfile would have. It is valid bash and safe to "
+    "run again. Existing setup.sh files are kept unless --force.",
+)
+def setup_sh(
+    tasks_dir: TasksArgument,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace setup.sh files that already exist.")
+    ] = False,
+    wheels: Annotated[
+        Path | None,
+        typer.Option(
+            "--wheels",
+            help="Folder of wheels for uvicorn, fastapi and their dependencies, for offline "
+            "compute nodes; staged into each task's environment/files/wheels (hard links when "
+            "possible). Without it, setup.sh installs from the package index. "
+            "\\[default: config wheels_dir]",
+        ),
+    ] = None,
+    replay_copy: Annotated[
+        bool,
+        typer.Option(
+            "--replay-copy",
+            help="Also repeat the Dockerfile's COPY/ADD of local files in setup.sh (sources "
+            "staged into environment/files/_replay), so the task runs on a shared base image.",
+        ),
+    ] = False,
+    dry_run: DryRunOption = False,
+    json_output: JsonOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Write environment/files/setup.sh into every task that has none."""
+    config = setup(verbose)
+    wheels_dir = config.pick("wheels_dir", str(wheels) if wheels else None, "")
+    result = write_setup_scripts(
+        tasks_dir,
+        force=force,
+        wheels=Path(wheels_dir) if wheels_dir else None,
+        replay_copy=replay_copy,
+        dry_run=dry_run,
+    )
+    _show_setup(result, dry_run, json_output)
+    if result.problems:
+        raise HarborHpcError(
+            f"{len(result.problems)} task(s) got no setup.sh",
+            hint="fix the named files (or run without --replay-copy), then run again",
+        )
+
+
+def _show_setup(result: SetupResult, dry_run: bool, json_output: bool) -> None:
+    if json_output:
+        print_json(
+            {
+                "written" if not dry_run else "would_write": result.written,
+                "kept": result.kept,
+                "problems": _problems_json(result.problems),
+            }
+        )
+        return
+    verb = "would write" if dry_run else "wrote"
+    info(f"{verb} setup.sh in {len(result.written)} task(s); kept {len(result.kept)} existing")
+    if result.kept:
+        info("existing setup.sh files are kept; --force replaces them")
+    _show_problems(result.problems)

@@ -1,0 +1,376 @@
+"""`build`: one image per distinct build context, pushed and pinned by digest in the manifest.
+
+Planning (`plan_build`) discovers the tasks and hashes each context; tasks with equal hashes share
+one image named from the hash alone (`REGISTRY/NAMESPACE/env-<hash12>:<hash>`), so any rerun, from
+any manifest, finds what an earlier run pushed. A task whose Dockerfile copies from above its
+context gets its own error instead of an image: Docker cannot send such a file, and equal hashes
+would no longer mean equal images. No build args are passed (Harbor passes none either), so
+they cannot split a context. What the hash deliberately leaves out is the base image behind a
+`FROM` tag: a rerun trusts what it pushed before; pin `FROM` by digest to rebuild on a new base.
+
+Running (`run_build`) records the plan in the manifest first, then builds the distinct images in
+parallel; each finished image (pushed, or failed with its error) is written to the manifest at
+once, so an interrupted build keeps what it finished. An image is not built again when the
+registry still resolves its recorded digest or its content tag, nor pushed again from a local copy
+that is already there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.files import atomic_write_text
+from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
+from harbor_hpc.images.dockerfile import sources_outside_context
+from harbor_hpc.images.registry import Registry, RegistryPath, login_hint
+from harbor_hpc.tasks.discovery import TaskProblem, discover_tasks
+from harbor_hpc.tasks.manifest import ImageRecord, Manifest, TaskRecord, update_manifest
+
+log = logging.getLogger(__name__)
+
+# Below this many tasks, starting worker processes costs more than it saves.
+_PARALLEL_HASH_MIN = 500
+_AUTH_REFUSALS = ("unauthorized", "authentication required", "no basic auth", "denied")
+
+
+@dataclass
+class PlannedImage:
+    """One distinct context: the image it becomes and the tasks that share it."""
+
+    context: str
+    repository: str
+    tag: str
+    build_dir: Path
+    tasks: list[str] = field(default_factory=list)
+
+    @property
+    def tagged(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+    @property
+    def repository_path(self) -> str:
+        """The repository without the registry host, as the registry API names it."""
+        return self.repository.split("/", 1)[1]
+
+
+@dataclass
+class BuildPlan:
+    root: Path
+    registry: RegistryPath
+    images: dict[str, PlannedImage]
+    task_errors: dict[str, str]
+    problems: list[TaskProblem]
+
+    @property
+    def task_count(self) -> int:
+        return sum(len(image.tasks) for image in self.images.values()) + len(self.task_errors)
+
+
+def image_name(context: str) -> tuple[str, str]:
+    """Repository name and tag for a context hash: stable, derived from the content alone."""
+    return f"env-{context[:12]}", context
+
+
+def plan_build(root: Path, registry: str, *, jobs: int = 2) -> BuildPlan:
+    """Discover the tasks under `root` and group them by build context. Reads only.
+
+    Hashing is CPU-bound Python (the .dockerignore walk), so large datasets are hashed in `jobs`
+    processes.
+    """
+    target = RegistryPath.parse(registry)
+    discovery = discover_tasks(root)
+    places = [(task.rel, task.environment_dir) for task in discovery.tasks]
+    if jobs > 1 and len(places) >= _PARALLEL_HASH_MIN:
+        chunk = max(1, len(places) // (jobs * 8))
+        with ProcessPoolExecutor(max_workers=jobs, initializer=_reset_worker_digests) as pool:
+            contexts = list(pool.map(_hash_in_worker, places, chunksize=chunk))
+    else:
+        digests = FileDigests()
+        contexts = [_task_context(place, digests) for place in places]
+    images: dict[str, PlannedImage] = {}
+    task_errors: dict[str, str] = {}
+    for task, outcome in zip(discovery.tasks, contexts, strict=True):
+        if outcome.startswith("error: "):
+            task_errors[task.rel] = outcome.removeprefix("error: ")
+            continue
+        image = images.get(outcome)
+        if image is None:
+            name, tag = image_name(outcome)
+            image = PlannedImage(outcome, target.repository(name), tag, task.environment_dir)
+            images[outcome] = image
+        image.tasks.append(task.rel)
+    return BuildPlan(discovery.root, target, images, task_errors, discovery.problems)
+
+
+# One cache per hashing worker process, fresh for each plan: a cache outliving the files it
+# describes could mistake a new file for an old one that had the same inode, size and mtime.
+_worker_digests = FileDigests()
+
+
+def _reset_worker_digests() -> None:
+    global _worker_digests
+    _worker_digests = FileDigests()
+
+
+def _hash_in_worker(place: tuple[str, Path]) -> str:
+    return _task_context(place, _worker_digests)
+
+
+def _task_context(place: tuple[str, Path], digests: FileDigests) -> str:
+    """A task's context hash, or `error: ...` when it cannot be built as its own context."""
+    rel, context = place
+    try:
+        outside = sources_outside_context((context / DOCKERFILE).read_text(errors="replace"))
+        if outside:
+            return (
+                f"error: {rel}/environment/Dockerfile: {outside[0]} reaches outside the "
+                "build context (environment/), which Docker does not send; move the file into "
+                "environment/"
+            )
+        return context_hash(context, digests)
+    except OSError as exc:
+        where = exc.filename or context
+        return f"error: cannot read the build context: {where}: {exc.strerror}"
+
+
+@dataclass
+class ImageOutcome:
+    """What happened to one planned image: `action` is one line for the user."""
+
+    image: PlannedImage
+    record: ImageRecord
+    action: str
+
+    @property
+    def failed(self) -> bool:
+        return self.record.error is not None
+
+
+@dataclass
+class BuildResult:
+    manifest: Path
+    outcomes: list[ImageOutcome]
+    task_errors: dict[str, str]
+    problems: list[TaskProblem]
+
+    @property
+    def failed_tasks(self) -> list[str]:
+        failed = [task for o in self.outcomes if o.failed for task in o.image.tasks]
+        return sorted([*failed, *self.task_errors])
+
+
+ProgressCallback = Callable[[PlannedImage, str], None]
+
+
+def run_build(
+    plan: BuildPlan,
+    manifest_path: Path,
+    *,
+    push: bool = True,
+    jobs: int = 2,
+    nohttps: bool = False,
+    on_progress: ProgressCallback | None = None,
+    on_done: Callable[[ImageOutcome], None] | None = None,
+) -> BuildResult:
+    """Build (and push) every planned image not already done; the manifest follows along."""
+    registry = Registry(plan.registry.host, plain_http=nohttps) if push else None
+    _ping_docker()
+    if registry is not None and plan.images:
+        registry.check_access(next(iter(plan.images.values())).repository_path)
+    _record_plan(plan, manifest_path)
+    builder = _Builder(plan, manifest_path, registry, on_progress or (lambda image, text: None))
+    outcomes: list[ImageOutcome] = []
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        for outcome in pool.map(builder.run, plan.images.values()):
+            outcomes.append(outcome)
+            if on_done:
+                on_done(outcome)
+    except KeyboardInterrupt:
+        # Start nothing new; builds under way finish and are recorded, the rest wait for a rerun.
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return BuildResult(manifest_path, outcomes, plan.task_errors, plan.problems)
+
+
+def _ping_docker() -> None:
+    try:
+        docker.from_env(timeout=10).ping()
+    except docker.errors.DockerException as exc:
+        raise HarborHpcError(
+            f"cannot reach the Docker Engine ({_one_line(str(exc))})",
+            hint="start Docker or set DOCKER_HOST; `harbor-hpc doctor` checks",
+        ) from None
+
+
+def _record_plan(plan: BuildPlan, manifest_path: Path) -> None:
+    """Point every planned task at its image in the manifest, keeping what earlier runs recorded."""
+    fresh = Manifest(str(plan.registry), str(plan.root))
+    with update_manifest(manifest_path, create=fresh) as manifest:
+        if manifest.registry != fresh.registry:
+            raise InputError(
+                f"{manifest_path} records images in {manifest.registry}, not {fresh.registry}",
+                hint="use another --manifest file for another registry",
+            )
+        manifest.tasks_root = fresh.tasks_root
+        planned = {task for image in plan.images.values() for task in image.tasks}
+        planned |= set(plan.task_errors)
+        for key, record in list(manifest.images.items()):
+            record.tasks = [task for task in record.tasks if task not in planned]
+            if not record.tasks and key not in plan.images:
+                del manifest.images[key]
+        for key, image in plan.images.items():
+            record = manifest.images.get(key) or ImageRecord(image.repository, image.tag)
+            record.tasks = sorted({*record.tasks, *image.tasks})
+            manifest.set_image(key, record)
+        for task, error in plan.task_errors.items():
+            manifest.tasks[task] = TaskRecord(None, None, error)
+
+
+class _Builder:
+    """Does one image at a time per worker thread; each thread has its own Docker client."""
+
+    def __init__(
+        self,
+        plan: BuildPlan,
+        manifest_path: Path,
+        registry: Registry | None,
+        on_progress: ProgressCallback,
+    ) -> None:
+        self.plan = plan
+        self.manifest_path = manifest_path
+        self.registry = registry
+        self.on_progress = on_progress
+        self.log_dir = manifest_path.parent / f"{manifest_path.stem}.build-logs"
+        self._local = threading.local()
+
+    @property
+    def api(self) -> docker.APIClient:
+        client: docker.APIClient | None = getattr(self._local, "api", None)
+        if client is None:
+            # No read timeout: a RUN may print nothing for longer than any fixed limit.
+            client = docker.from_env(timeout=None).api
+            self._local.api = client
+        return client
+
+    def run(self, image: PlannedImage) -> ImageOutcome:
+        with update_manifest(self.manifest_path) as manifest:
+            record = manifest.images[image.context]
+        try:
+            action = self._make(image, record)
+            record.error = None
+        except _ImageFailed as exc:
+            action, record.error = "failed", str(exc)
+        except docker.errors.DockerException as exc:
+            action, record.error = "failed", f"Docker: {_one_line(str(exc))}"
+        except HarborHpcError as exc:
+            action, record.error = "failed", exc.message
+        with update_manifest(self.manifest_path) as manifest:
+            current = manifest.images.get(image.context, record)
+            record.tasks, record.sif = current.tasks, current.sif or record.sif
+            manifest.set_image(image.context, record)
+        log.info("%s (%d tasks): %s", image.tagged, len(image.tasks), record.error or action)
+        self.on_progress(image, action)
+        return ImageOutcome(image, record, action)
+
+    def _make(self, image: PlannedImage, record: ImageRecord) -> str:
+        if self.registry is None:
+            action = "already built locally"
+            if self._local_image_id(image.tagged) is None:
+                self._build(image)
+                action = "built (local only)"
+            record.image_id = self._local_image_id(image.tagged)
+            return action
+        path = image.repository_path
+        if record.digest and self.registry.manifest_digest(path, record.digest):
+            return "already in the registry"
+        self.on_progress(image, "asking the registry")
+        digest = self.registry.manifest_digest(path, image.tag)
+        if digest:
+            record.digest = digest
+            return "found in the registry"
+        action = "pushed"
+        if self._local_image_id(image.tagged) is None:
+            self._build(image)
+            action = "built and pushed"
+        record.image_id = self._local_image_id(image.tagged)
+        record.digest = self._push(image)
+        return action
+
+    def _local_image_id(self, tagged: str) -> str | None:
+        try:
+            info: dict[str, Any] = self.api.inspect_image(tagged)
+        except docker.errors.ImageNotFound:
+            return None
+        image_id: str = info["Id"]
+        return image_id
+
+    def _build(self, image: PlannedImage) -> None:
+        self.on_progress(image, "building")
+        dockerfile = image.build_dir / DOCKERFILE
+        # A symlinked Dockerfile is sent by content (docker-py does so for a path outside the
+        # context), as it was hashed; a plain one by name.
+        dockerfile_arg = os.path.realpath(dockerfile) if dockerfile.is_symlink() else DOCKERFILE
+        lines: list[str] = []
+        error = None
+        stream: Iterator[dict[str, Any]] = self.api.build(
+            path=str(image.build_dir),
+            dockerfile=dockerfile_arg,
+            tag=image.tagged,
+            rm=True,
+            forcerm=True,
+            pull=False,
+            decode=True,
+        )
+        for chunk in stream:
+            text = chunk.get("stream") or chunk.get("status") or ""
+            lines.extend(line for line in text.splitlines() if line.strip())
+            if "error" in chunk:
+                error = _one_line(str(chunk["error"]))
+                lines.append(f"ERROR: {chunk['error']}")
+            elif text.strip():
+                self.on_progress(image, _one_line(text)[:80])
+        log_file = self.log_dir / f"{image.repository.rsplit('/', 1)[1]}.log"
+        atomic_write_text(log_file, "\n".join(lines) + "\n")
+        if error:
+            raise _ImageFailed(f"build failed: {error} (log: {log_file})")
+
+    def _push(self, image: PlannedImage) -> str:
+        self.on_progress(image, "pushing")
+        host = self.plan.registry.host
+        digest = None
+        for chunk in self.api.push(image.repository, tag=image.tag, stream=True, decode=True):
+            if "error" in chunk:
+                message = _one_line(str(chunk["error"]))
+                if any(word in message.lower() for word in _AUTH_REFUSALS):
+                    raise _ImageFailed(f"push to {host} refused ({message}): {login_hint(host)}")
+                raise _ImageFailed(f"push to {host} failed: {message}")
+            aux = chunk.get("aux") or {}
+            digest = aux.get("Digest") or digest
+        if self.registry is not None and not digest:
+            digest = self.registry.manifest_digest(image.repository_path, image.tag)
+        if not digest:
+            raise _ImageFailed(f"push to {host} reported no digest for {image.tagged}")
+        return str(digest)
+
+
+class _ImageFailed(Exception):
+    """One image could not be built or pushed; its tasks get the message."""
+
+
+def _one_line(text: str) -> str:
+    text = re.sub(r"\s+", " ", text.strip())
+    return text[:300]

@@ -1,0 +1,81 @@
+"""The identity of a build context: a hash of exactly what Docker would send and build from.
+
+The file list comes from docker-py's own `.dockerignore` matcher (`exclude_paths`), the code that
+makes the tar `build` sends, so the hash and the build can never disagree about which files count.
+Each entry contributes its relative path, its type and permission bits (COPY keeps them) and its
+content (a symlink: its target text, as Docker sends links unfollowed). Owners and mtimes are left
+out: COPY resets owners to root, and mtimes differ between unpackings of identical tasks. The
+Dockerfile is also hashed by its resolved content, because a Dockerfile that is a symlink to a file
+outside the context is sent by content.
+
+Identical files in many tasks (a dataset unpacked with hard links, or a rerun in one process) are
+read once, by (device, inode, mtime, size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+from pathlib import Path
+
+from docker.utils.build import exclude_paths
+
+DOCKERFILE = "Dockerfile"
+DOCKERIGNORE = ".dockerignore"
+_HASH_VERSION = b"harbor-hpc-context-v1\n"
+
+
+def dockerignore_patterns(context: Path) -> list[str]:
+    """The `.dockerignore` patterns, read as docker-py's `build` reads them."""
+    try:
+        text = (context / DOCKERIGNORE).read_text()
+    except FileNotFoundError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip() and line.strip()[0] != "#"]
+
+
+def context_files(context: Path) -> list[str]:
+    """Relative paths (files, folders, links) that Docker sends for `context`, sorted."""
+    return sorted(exclude_paths(str(context), dockerignore_patterns(context), DOCKERFILE))
+
+
+class FileDigests:
+    """Content digests of regular files, each file read once per (device, inode, mtime, size)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int, int, int], bytes] = {}
+        self._lock = threading.Lock()
+
+    def digest(self, path: str, info: os.stat_result) -> bytes:
+        key = (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size)
+        known = self._known.get(key)
+        if known is not None:
+            return known
+        with open(path, "rb") as handle:
+            value = hashlib.file_digest(handle, "sha256").digest()
+        with self._lock:
+            self._known[key] = value
+        return value
+
+
+def context_hash(context: Path, digests: FileDigests | None = None) -> str:
+    """Hex SHA-256 naming the image that `docker build context` makes. Raises OSError."""
+    digests = digests or FileDigests()
+    hasher = hashlib.sha256(_HASH_VERSION)
+    root = str(context)
+    for rel in context_files(context):
+        full = os.path.join(root, rel)
+        info = os.lstat(full)
+        mode = info.st_mode
+        if stat.S_ISREG(mode):
+            payload = digests.digest(full, info)
+        elif stat.S_ISLNK(mode):
+            payload = os.readlink(full).encode()
+        else:
+            payload = b""
+        hasher.update(b"%s\0%o\0%s\n" % (rel.encode(), mode, payload))
+    dockerfile = os.path.join(root, DOCKERFILE)
+    hasher.update(b"dockerfile\0" + digests.digest(dockerfile, os.stat(dockerfile)))
+    return hasher.hexdigest()

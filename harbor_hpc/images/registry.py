@@ -1,0 +1,197 @@
+"""Asking a registry (Docker Registry HTTP API v2) whether an image is there, as the user's login.
+
+Credentials are the user's `docker login` ones: docker-py reads the Docker config file (honouring
+DOCKER_CONFIG, credential stores and helpers) exactly as `docker push` would. They go into request
+headers only; nothing here prints or stores them. Both schemes registries use are handled: Basic
+(a plain htpasswd registry) and Bearer tokens fetched from the realm the registry names.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+from docker import auth
+
+from harbor_hpc.core.errors import HarborHpcError, InputError
+
+MANIFEST_TYPES = ", ".join(
+    (
+        "application/vnd.oci.image.index.v1+json",
+        "application/vnd.oci.image.manifest.v1+json",
+        "application/vnd.docker.distribution.manifest.list.v2+json",
+        "application/vnd.docker.distribution.manifest.v2+json",
+    )
+)
+_TIMEOUT = 30
+_PLAIN_HTTP_HOSTS = ("localhost", "127.", "[::1]")
+
+
+@dataclass(frozen=True)
+class RegistryPath:
+    """`REGISTRY/NAMESPACE` split into the host and the path images go under."""
+
+    host: str
+    namespace: str
+
+    @classmethod
+    def parse(cls, value: str) -> RegistryPath:
+        host, _, namespace = value.strip().strip("/").partition("/")
+        if not host or not ("." in host or ":" in host or host == "localhost"):
+            raise InputError(
+                f"--registry {value!r} does not start with a registry host",
+                hint="give REGISTRY/NAMESPACE, e.g. registry.example.org/team or localhost:5000/me",
+            )
+        if namespace and not re.fullmatch(r"[a-z0-9]+([._/-][a-z0-9]+)*", namespace):
+            raise InputError(
+                f"--registry {value!r}: namespace {namespace!r} is not a valid repository path",
+                hint="use lowercase letters, digits and . _ - / only",
+            )
+        return cls(host, namespace)
+
+    def repository(self, name: str) -> str:
+        return "/".join(part for part in (self.host, self.namespace, name) if part)
+
+    def __str__(self) -> str:
+        return "/".join(part for part in (self.host, self.namespace) if part)
+
+
+def login_hint(host: str) -> str:
+    return f"run `docker login {host}` (as the user who runs harbor-hpc), then run again"
+
+
+@dataclass
+class Registry:
+    """A registry host; `plain_http` for loopback registries and `nohttps` setups.
+
+    `credentials` (`{"username", "password"}`) default to the user's `docker login` for the host.
+    """
+
+    host: str
+    plain_http: bool = False
+    credentials: dict[str, str] | None = field(default=None, repr=False)
+    _session: requests.Session = field(default_factory=requests.Session, repr=False)
+    _tokens: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.host.startswith(_PLAIN_HTTP_HOSTS):
+            self.plain_http = True
+        if self.credentials is None:
+            self.credentials = _docker_login(self.host)
+
+    @property
+    def base_url(self) -> str:
+        return f"{'http' if self.plain_http else 'https'}://{self.host}/v2/"
+
+    @property
+    def logged_in(self) -> bool:
+        return self.credentials is not None
+
+    def check_access(self, repository_path: str) -> None:
+        """Fail with one clear line unless we may pull and push `repository_path` here."""
+        response = self._get("", scope=f"repository:{repository_path}:pull,push")
+        if response.status_code in (401, 403):
+            if not self.logged_in:
+                raise HarborHpcError(
+                    f"registry {self.host} asks for a login and the Docker config has none for it",
+                    hint=login_hint(self.host),
+                )
+            raise HarborHpcError(
+                f"registry {self.host} refused the credentials of your Docker login",
+                hint=login_hint(self.host),
+            )
+        if response.status_code != 200:
+            raise HarborHpcError(
+                f"registry {self.host} answered HTTP {response.status_code} to /v2/",
+                hint="check the registry address (REGISTRY/NAMESPACE)",
+            )
+
+    def manifest_digest(self, repository_path: str, reference: str) -> str | None:
+        """The digest of `repository_path:reference` (a tag or digest), None when absent."""
+        response = self._get(
+            f"{repository_path}/manifests/{reference}",
+            scope=f"repository:{repository_path}:pull",
+            method="HEAD",
+        )
+        if response.status_code == 404:
+            return None
+        if response.status_code in (401, 403):
+            raise HarborHpcError(
+                f"registry {self.host} refused to show {repository_path}",
+                hint=login_hint(self.host),
+            )
+        if response.status_code != 200:
+            raise HarborHpcError(
+                f"registry {self.host} answered HTTP {response.status_code} for "
+                f"{repository_path}:{reference}"
+            )
+        digest = response.headers.get("Docker-Content-Digest")
+        return digest or (reference if reference.startswith("sha256:") else None)
+
+    def _get(self, path: str, *, scope: str, method: str = "GET") -> requests.Response:
+        url = self.base_url + path
+        headers = {"Accept": MANIFEST_TYPES}
+        token = self._tokens.get(scope)
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        try:
+            response = self._request(method, url, headers)
+            if response.status_code == 401:
+                challenge = response.headers.get("WWW-Authenticate", "")
+                retry = self._authorize(challenge, scope, headers)
+                if retry:
+                    response = self._request(method, url, headers)
+        except requests.RequestException as exc:
+            raise HarborHpcError(
+                f"registry {self.host} does not answer ({type(exc).__name__})",
+                hint="check the address and that the registry is up; plain-HTTP registries "
+                "other than localhost need `nohttps = true` in harbor-hpc.toml",
+            ) from None
+        return response
+
+    def _request(self, method: str, url: str, headers: dict[str, str]) -> requests.Response:
+        return self._session.request(method, url, headers=headers, timeout=_TIMEOUT)
+
+    def _authorize(self, challenge: str, scope: str, headers: dict[str, str]) -> bool:
+        """Fill `headers` with what the challenge asks for; False when we have nothing to offer."""
+        scheme, _, params_text = challenge.partition(" ")
+        params = dict(re.findall(r'(\w+)="([^"]*)"', params_text))
+        basic = self.credentials
+        if scheme.lower() == "basic":
+            if basic is None:
+                return False
+            pair = f"{basic['username']}:{basic['password']}".encode()
+            headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+            return True
+        if scheme.lower() != "bearer" or "realm" not in params:
+            return False
+        query = {"service": params.get("service", ""), "scope": params.get("scope", scope)}
+        token_response = self._session.get(
+            params["realm"],
+            params=query,
+            auth=(basic["username"], basic["password"]) if basic else None,
+            timeout=_TIMEOUT,
+        )
+        if token_response.status_code != 200:
+            return False
+        body: dict[str, Any] = token_response.json()
+        token = body.get("token") or body.get("access_token")
+        if not token:
+            return False
+        self._tokens[scope] = token
+        headers["Authorization"] = f"Bearer {token}"
+        return True
+
+
+def _docker_login(host: str) -> dict[str, str] | None:
+    """`{"username", "password"}` of the user's `docker login` to `host`, or None."""
+    entry = auth.load_config().resolve_authconfig(host)
+    if not entry:
+        return None
+    username, password = entry.get("username"), entry.get("password")
+    if not username or password is None:
+        return None
+    return {"username": username, "password": password}

@@ -1,0 +1,187 @@
+"""`rewrite`: point each task's `[environment].docker_image` at its pinned image (or its .sif).
+
+Only that one value changes: every other byte of task.toml (comments, order, spacing) stays. A
+plain `docker_image = "..."` line (nearly every task) is edited in place as text; anything else
+(no such line yet, dotted keys, unusual quoting) goes through tomlkit, which keeps the document's
+formatting. Either way the result is parsed back and must equal the original with just that value
+changed, so a surprise in a file can never write a wrong task.toml. Files are replaced atomically
+and a task already pointing at the right image is not written at all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+import tomlkit.exceptions
+
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.core.files import atomic_write_text
+from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
+from harbor_hpc.tasks.manifest import Manifest, load_manifest
+
+_ENVIRONMENT_HEADER = re.compile(r"^[ \t]*\[[ \t]*environment[ \t]*\][ \t]*(?:#[^\n]*)?$", re.M)
+_ANY_HEADER = re.compile(r"^[ \t]*\[", re.M)
+_DOCKER_IMAGE_LINE = re.compile(
+    r"^([ \t]*docker_image[ \t]*=[ \t]*)(\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*')", re.M
+)
+
+
+@dataclass
+class RewriteResult:
+    changed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    # Task -> why it was left alone (image failed, not built, no .sif yet).
+    skipped: dict[str, str] = field(default_factory=dict)
+    problems: list[TaskProblem] = field(default_factory=list)
+    diffs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.skipped and not self.problems
+
+
+def rewrite_tasks(
+    root: Path,
+    manifest_path: Path,
+    *,
+    sif: bool = False,
+    dry_run: bool = False,
+    jobs: int = 4,
+) -> RewriteResult:
+    """Set docker_image in every task under `root` that the manifest has an image (or .sif) for."""
+    manifest = load_manifest(manifest_path)
+    discovery = discover_tasks(root, require_dockerfile=False)
+    if discovery.tasks and not any(task.rel in manifest.tasks for task in discovery.tasks):
+        raise InputError(
+            f"none of the {len(discovery.tasks)} tasks under {discovery.root} is in "
+            f"{manifest_path} (built from {manifest.tasks_root})",
+            hint="pass the tasks folder that was built (task names are paths relative to it)",
+        )
+    result = RewriteResult(problems=list(discovery.problems))
+    edits: list[tuple[Task, str]] = []
+    for task in discovery.tasks:
+        target = _target(manifest, task.rel, sif=sif)
+        if target.startswith("skip: "):
+            result.skipped[task.rel] = target.removeprefix("skip: ")
+        elif task.docker_image == target:
+            result.unchanged.append(task.rel)
+        else:
+            edits.append((task, target))
+
+    def edit(item: tuple[Task, str]) -> tuple[Task, str, str] | TaskProblem:
+        task, target = item
+        try:
+            old = task.task_toml.read_text()
+            return task, old, set_docker_image(old, target, original=task.config)
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            return TaskProblem(task.task_toml, f"not rewritten: {exc}")
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(edit, edits))
+        writes = []
+        for outcome in done:
+            if isinstance(outcome, TaskProblem):
+                result.problems.append(outcome)
+                continue
+            task, old, new = outcome
+            result.changed.append(task.rel)
+            if dry_run:
+                result.diffs[task.rel] = unified_diff(task, old, new)
+            else:
+                writes.append(pool.submit(atomic_write_text, task.task_toml, new))
+        for future in writes:
+            future.result()
+    return result
+
+
+def _target(manifest: Manifest, task: str, *, sif: bool) -> str:
+    """The docker_image value for `task`, or `skip: <reason>`."""
+    record = manifest.tasks.get(task)
+    if record is None:
+        return "skip: not in the manifest (run `harbor-hpc build` on these tasks)"
+    if record.error:
+        return f"skip: {record.error}"
+    image = manifest.image_of(task)
+    if image is None:
+        return "skip: the manifest names no image for it"
+    if image.error:
+        return f"skip: {image.error}"
+    if sif:
+        return image.sif or "skip: no .sif yet (run `harbor-hpc convert`)"
+    if image.reference:
+        return image.reference
+    if image.image_id:
+        return "skip: built locally only (`build --no-push`); build with a registry to pin it"
+    return "skip: not built yet (run `harbor-hpc build`)"
+
+
+def set_docker_image(text: str, value: str, *, original: dict[str, Any] | None = None) -> str:
+    """`text` (a task.toml) with `[environment].docker_image = value`, all else byte for byte.
+
+    `original` is `text` already parsed, when the caller has it.
+    """
+    original = tomllib.loads(text) if original is None else original
+    expected = {**original, "environment": {**original.get("environment", {})}}
+    expected["environment"]["docker_image"] = value
+    fast = _edit_in_place(text, value, had_key="docker_image" in original.get("environment", {}))
+    if fast is not None:
+        edited, certain = fast
+        if certain or _parses_to(edited, expected):
+            return edited
+    try:
+        document = tomlkit.parse(text)
+        environment = document.get("environment")
+        if environment is None:
+            document["environment"] = tomlkit.table()
+            environment = document["environment"]
+        environment["docker_image"] = value
+        edited = tomlkit.dumps(document)
+    except tomlkit.exceptions.TOMLKitError as exc:
+        raise ValueError(f"tomlkit cannot edit it ({exc})") from None
+    if not _parses_to(edited, expected):
+        raise ValueError("editing docker_image would change other values; edit it by hand")
+    return edited
+
+
+def _edit_in_place(text: str, value: str, *, had_key: bool) -> tuple[str, bool] | None:
+    """Replace the string of a plain `docker_image = "..."` line of [environment], or add the
+    line right under the `[environment]` header; None when there is no such header.
+
+    The flag says the edit is certainly right without parsing it back: with no multi-line
+    string in the file, every line-start match is real TOML structure, so the header is the
+    table's and the key line (found exactly when the table had the key) is that key's.
+    """
+    header = _ENVIRONMENT_HEADER.search(text)
+    if header is None:
+        return None
+    certain = '"""' not in text and "'''" not in text
+    quoted = tomlkit.string(value).as_string()
+    next_header = _ANY_HEADER.search(text, header.end())
+    end = next_header.start() if next_header else len(text)
+    line = _DOCKER_IMAGE_LINE.search(text, header.end(), end)
+    if line is None:
+        edited = f"{text[: header.end()]}\ndocker_image = {quoted}{text[header.end() :]}"
+        return edited, certain and not had_key
+    return text[: line.start(2)] + quoted + text[line.end(2) :], certain and had_key
+
+
+def _parses_to(text: str, expected: dict[str, Any]) -> bool:
+    try:
+        return tomllib.loads(text) == expected
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def unified_diff(task: Task, old: str, new: str) -> str:
+    name = f"{task.rel}/task.toml"
+    lines = difflib.unified_diff(
+        old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{name}", f"b/{name}"
+    )
+    return "".join(lines)
