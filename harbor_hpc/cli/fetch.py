@@ -48,7 +48,7 @@ def fetch_command(
     ] = None,
     revision: Annotated[
         str | None,
-        typer.Option("--revision", "-r", help="Branch, tag or commit. [default: main]"),
+        typer.Option("--revision", "-r", help="Branch, tag or commit. \\[default: main]"),
     ] = None,
     dry_run: DryRunOption = False,
     json: JsonOption = False,

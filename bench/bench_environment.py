@@ -1,0 +1,200 @@
+"""Our Apptainer environment against Harbor's own, on the same .sif in the same run.
+
+For each environment, `--rounds` times: start (to the first possible exec), `--execs`
+round trips of `true` (p50, p90), the PSS of the container's whole process tree after it
+sat idle for a second (what the environment itself costs the task's memory), and stop.
+Then the memory watchdog's own cost: CPU per check of a tree of 50 processes.
+
+Harbor's environment needs uvicorn and FastAPI in the image (it would pip-install them at
+start, which an offline node cannot), so the bench builds one image FROM the test base
+image with both baked into /opt/harbor-server from the wheel folder $HARBOR_HPC_TEST_WHEELS,
+converts it once into the .sif store, and runs both environments on that .sif.
+
+Goals (issue 6): exec p50 <= 0.5x theirs, start <= 0.5x theirs, idle PSS <= 0.6x theirs.
+
+Usage: uv run python bench/bench_environment.py [--rounds 3] [--execs 300] [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.base import BaseEnvironment
+from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif
+from harbor_hpc.apptainer.watchdog import MemoryWatchdog, tree_pss_bytes
+
+IMAGE = "harbor-hpc-bench/harbor-server:1"
+# Harbor's environment starts Apptainer with `--pwd /app`, which must exist in the image.
+DOCKERFILE = """\
+FROM {base}
+WORKDIR /app
+COPY wheels /tmp/wheels
+RUN python3 -m venv /opt/harbor-server \\
+ && /opt/harbor-server/bin/pip install --no-index --find-links /tmp/wheels uvicorn fastapi \\
+ && rm -rf /tmp/wheels
+"""
+MB = 1024 * 1024
+
+
+def build_image(base: str, wheels: Path) -> None:
+    """The base image with Harbor's server dependencies where its bootstrap looks for them."""
+    import docker
+
+    client = docker.from_env()
+    context = io.BytesIO()
+    with tarfile.open(fileobj=context, mode="w") as tar:
+        dockerfile = DOCKERFILE.format(base=base).encode()
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(dockerfile)
+        tar.addfile(info, io.BytesIO(dockerfile))
+        tar.add(wheels, arcname="wheels")
+    context.seek(0)
+    client.images.build(fileobj=context, custom_context=True, tag=IMAGE, rm=True)
+    client.close()
+
+
+@dataclass
+class Figures:
+    start: list[float] = field(default_factory=list)
+    execs: list[float] = field(default_factory=list)
+    idle_pss: list[float] = field(default_factory=list)
+    stop: list[float] = field(default_factory=list)
+
+    def row(self) -> dict[str, float]:
+        execs = sorted(self.execs)
+        return {
+            "start s": statistics.median(self.start),
+            "exec p50 ms": execs[len(execs) // 2] * 1000,
+            "exec p90 ms": execs[int(len(execs) * 0.9)] * 1000,
+            "idle PSS MB": statistics.median(self.idle_pss),
+            "stop s": statistics.median(self.stop),
+        }
+
+
+def tree_root(environment: BaseEnvironment) -> int:
+    if isinstance(environment, SingularityEnvironment):
+        pid = environment.process_pid
+    else:
+        process = environment._server_process  # type: ignore[attr-defined]
+        pid = process.pid if process is not None else None
+    if pid is None:
+        raise RuntimeError("the environment has no running process")
+    return pid
+
+
+async def measure(cls: type[BaseEnvironment], sif: Path, rounds: int, execs: int) -> Figures:
+    figures = Figures()
+    with tempfile.TemporaryDirectory(prefix="bench-env-") as scratch:
+        environment_dir = Path(scratch) / "environment"
+        environment_dir.mkdir()
+        for index in range(rounds):
+            trial_paths = TrialPaths(Path(scratch) / f"trial-{index}")
+            trial_paths.mkdir()
+            environment = cls(
+                environment_dir=environment_dir,
+                environment_name="bench",
+                session_id=f"bench-{index}",
+                trial_paths=trial_paths,
+                # A memory limit, so that both run their memory watchdog as in a real trial.
+                task_env_config=EnvironmentConfig(docker_image=str(sif), memory_mb=4096),
+                logger=logging.getLogger("bench"),
+            )
+            began = time.perf_counter()
+            await environment.start(force_build=False)
+            await environment.exec("true")
+            figures.start.append(time.perf_counter() - began)
+            for _ in range(execs):
+                began = time.perf_counter()
+                await environment.exec("true")
+                figures.execs.append(time.perf_counter() - began)
+            await asyncio.sleep(1.0)
+            figures.idle_pss.append(tree_pss_bytes(tree_root(environment)) / MB)
+            began = time.perf_counter()
+            await environment.stop(delete=True)
+            figures.stop.append(time.perf_counter() - began)
+    return figures
+
+
+def watchdog_cost(processes: int = 50, checks: int = 200) -> tuple[float, float]:
+    """CPU ms per check (the cheap RSS pass, and the PSS pass it runs above the threshold)."""
+    script = f"for i in $(seq {processes - 1}); do sleep 300 & done; wait"
+    tree = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    try:
+        time.sleep(1.0)
+        watchdog = MemoryWatchdog(tree.pid, limit_bytes=1 << 50)
+        began = time.process_time()
+        for _ in range(checks):
+            watchdog.check()
+        rss_ms = (time.process_time() - began) / checks * 1000
+        began = time.process_time()
+        for _ in range(checks):
+            tree_pss_bytes(tree.pid)
+        pss_ms = (time.process_time() - began) / checks * 1000
+    finally:
+        os.killpg(tree.pid, 9)
+        tree.wait()
+    return rss_ms, pss_ms
+
+
+def print_table(ours: dict[str, float], theirs: dict[str, float]) -> None:
+    goals = {"start s": 0.5, "exec p50 ms": 0.5, "idle PSS MB": 0.6}
+    print(f"{'':14}{'harbor-hpc':>12}{'harbor':>12}{'ratio':>9}{'goal':>8}")
+    for key, value in ours.items():
+        ratio = value / theirs[key] if theirs[key] else float("nan")
+        goal = f"<={goals[key]}" if key in goals else ""
+        verdict = "" if key not in goals else ("  ok" if ratio <= goals[key] else "  MISSED")
+        print(f"{key:14}{value:12.3f}{theirs[key]:12.3f}{ratio:9.2f}{goal:>8}{verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--execs", type=int, default=300)
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--base", default=os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE"))
+    parser.add_argument("--wheels", type=Path, default=os.environ.get("HARBOR_HPC_TEST_WHEELS"))
+    args = parser.parse_args(argv)
+    if not args.base or not args.wheels:
+        print("set HARBOR_HPC_TEST_BASE_IMAGE and HARBOR_HPC_TEST_WHEELS (or --base/--wheels)")
+        return 2
+    cache_dir = args.cache_dir or default_cache_dir(None)
+    print(f"building {IMAGE} and its .sif in {cache_dir} ...", flush=True)
+    build_image(args.base, args.wheels)
+    sif = ensure_sif(f"docker-daemon://{IMAGE}", cache_dir)
+    print(f"image: {sif}\n", flush=True)
+
+    results: dict[str, Any] = {}
+    for name, cls in (("theirs", HarborSingularity), ("ours", SingularityEnvironment)):
+        print(f"measuring {name} ({args.rounds} rounds) ...", flush=True)
+        results[name] = asyncio.run(measure(cls, sif, args.rounds, args.execs)).row()
+    print()
+    print_table(results["ours"], results["theirs"])
+    rss_ms, pss_ms = watchdog_cost()
+    print(
+        f"\nmemory watchdog, tree of 50 processes: {rss_ms:.3f} ms CPU per check "
+        f"(every 50 ms: {rss_ms / 50 * 100:.1f}% of a core); "
+        f"{pss_ms:.3f} ms per PSS pass (only above the threshold)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,588 @@
+"""A Harbor environment that runs a task's container with Apptainer, safely and fast.
+
+What it replaces, Harbor's own `harbor.environments.singularity`, installs uvicorn
+and FastAPI into the image at start (apt-get update, pip: slow, and impossible on
+offline compute nodes) and serves commands on a TCP port without authentication,
+which every user on the node can reach because Apptainer shares the host's network.
+
+Here the container's main process is a small command server (python3's standard
+library, or bash where the image has no python3) that talks to us over its
+stdin/stdout pipes: only this process holds them. Files move through a private
+staging folder bind-mounted at /staging, a memory watchdog kills the container
+when it outgrows the task's `memory_mb`, and `stop` kills the whole process tree
+(Apptainer, its FUSE helpers, the workload and anything it left running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import logging
+import os
+import re
+import shlex
+import shutil
+import tempfile
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, override
+
+import psutil
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
+from harbor_hpc.apptainer.errors import ImageUnavailable, MemoryLimitExceeded, SetupScriptFailed
+from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
+from harbor_hpc.apptainer.watchdog import (
+    MemoryWatchdog,
+    kill_processes,
+    namespace_processes,
+    tree_processes,
+)
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.templates import template_path
+
+STAGING = "/staging"
+ENV_FILES = f"{STAGING}/env_files"
+DEFAULT_WORKDIR = "/app"
+# Harbor's default: the host's home, /tmp and admin bind paths stay out of the container.
+DEFAULT_NO_MOUNT = "home,tmp,bind-paths"
+# The image decides which server runs: python3's standard library if it has one, else bash.
+LAUNCHER = (
+    'if command -v python3 >/dev/null 2>&1; then exec python3 -I -S "$1/server.py" "$2"; fi; '
+    'exec bash "$1/server.sh" "$1" "$2"'
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_STDERR_TAIL_LINES = 40
+
+
+def _flag(value: Any) -> bool:
+    """A boolean kwarg as `--environment-kwarg k=v` may deliver it (JSON or a plain string)."""
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    return bool(value)
+
+
+def dockerfile_workdir(dockerfile: Path) -> str | None:
+    """The last WORKDIR of a Dockerfile (relative ones joined onto the one before), if any."""
+    if not dockerfile.is_file():
+        return None
+    workdir: str | None = None
+    for line in dockerfile.read_text(errors="replace").splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2 and parts[0].upper() == "WORKDIR":
+            value = parts[1].strip().strip("\"'")
+            workdir = value if value.startswith("/") or workdir is None else f"{workdir}/{value}"
+    return workdir
+
+
+class SingularityEnvironment(BaseEnvironment):
+    """Runs a task in an Apptainer container from a .sif or a registry reference.
+
+    Kwargs (`--environment-kwarg k=v`):
+        singularity_image_cache_dir: where registry references are converted to .sif
+            (the store `harbor-hpc convert` fills; default `$HARBOR_HPC_CACHE` or
+            ~/.cache/harbor-hpc/sif).
+        singularity_force_pull: convert again even when the .sif is cached.
+        singularity_no_mount: comma-separated Apptainer mounts to leave out
+            (default "home,tmp,bind-paths"; "" keeps them all).
+        workdir: the container's working directory (default: the Dockerfile's
+            WORKDIR, else /app).
+        fakeroot: run as root inside the container through `--fakeroot`.
+        nohttps: reach the registry over plain HTTP when converting.
+        memory_watchdog: kill the container above the task's memory (default on).
+        memory_kill_fraction: the share of `memory_mb` at which it kills (0.95).
+        memory_poll_interval_sec: how often it sums the tree's memory (0.05).
+        staging_dir: where the private per-trial folders go (default: the system temp).
+    """
+
+    def __init__(
+        self,
+        environment_dir: Path,
+        environment_name: str,
+        session_id: str,
+        trial_paths: TrialPaths,
+        task_env_config: EnvironmentConfig,
+        logger: logging.Logger | None = None,
+        singularity_image_cache_dir: Path | str | None = None,
+        singularity_force_pull: bool | str = False,
+        singularity_no_mount: str | None = None,
+        workdir: str | None = None,
+        fakeroot: bool | str = False,
+        nohttps: bool | str | None = None,
+        memory_watchdog: bool | str = True,
+        memory_kill_fraction: float = 0.95,
+        memory_poll_interval_sec: float = 0.05,
+        staging_dir: Path | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._cache_dir = (
+            Path(singularity_image_cache_dir).expanduser() if singularity_image_cache_dir else None
+        )
+        self._force_pull = _flag(singularity_force_pull)
+        self._no_mount = DEFAULT_NO_MOUNT if singularity_no_mount is None else singularity_no_mount
+        self._workdir_kwarg = workdir
+        self._fakeroot = _flag(fakeroot)
+        self._nohttps = None if nohttps is None else _flag(nohttps)
+        self._watchdog_enabled = _flag(memory_watchdog)
+        self._kill_fraction = float(memory_kill_fraction)
+        self._poll_interval = float(memory_poll_interval_sec)
+        self._staging_root = Path(staging_dir) if staging_dir else None
+        super().__init__(
+            environment_dir=environment_dir,
+            environment_name=environment_name,
+            session_id=session_id,
+            trial_paths=trial_paths,
+            task_env_config=task_env_config,
+            logger=logger,
+            **kwargs,
+        )
+        self.workdir = self._resolve_workdir()
+        self.sif_path: Path | None = None
+        self._private_dir: Path | None = None
+        self._process: asyncio.subprocess.Process | None = None
+        self._channel: Channel | None = None
+        self._watchdog: MemoryWatchdog | None = None
+        self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
+        self._stderr_task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    @override
+    def type() -> str:
+        return "harbor-hpc-apptainer"
+
+    @classmethod
+    @override
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        return EnvironmentResourceCapabilities(memory_limit=True)
+
+    @property
+    @override
+    def capabilities(self) -> EnvironmentCapabilities:
+        # The trial's log folders are bind-mounted: Harbor reads them on the host.
+        return EnvironmentCapabilities(mounted=True)
+
+    @override
+    def _validate_definition(self) -> None:
+        # A missing or unconvertible image is reported by start(), where Harbor records
+        # it in the trial's result instead of failing before the trial exists.
+        return
+
+    def _resolve_workdir(self) -> str:
+        return (
+            self._workdir_kwarg
+            or self.task_env_config.workdir
+            or dockerfile_workdir(self.environment_dir / "Dockerfile")
+            or DEFAULT_WORKDIR
+        )
+
+    @property
+    def process_pid(self) -> int | None:
+        """The host pid at the root of the container's process tree (while it runs)."""
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def staging_host_dir(self) -> Path | None:
+        """The host folder mounted at /staging (while the environment runs)."""
+        return self._private_dir / "staging" if self._private_dir is not None else None
+
+    # -- the image ----------------------------------------------------------
+
+    async def _resolve_image(self, force: bool) -> Path:
+        image = self.task_env_config.docker_image
+        if not image:
+            raise ImageUnavailable(
+                f"task {self.environment_name}: task.toml sets no [environment] docker_image; "
+                "set it to a .sif path or a registry reference (harbor-hpc rewrite does this)"
+            )
+        if "://" not in image and image.endswith(".sif"):
+            path = Path(image).expanduser()
+            if not path.is_absolute() and (self.environment_dir / path).is_file():
+                path = self.environment_dir / path
+            if not path.is_file():
+                raise ImageUnavailable(
+                    f"task {self.environment_name}: the image {image} does not exist; "
+                    "convert the dataset's images first (harbor-hpc convert) or fix docker_image"
+                )
+            return path
+        from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif
+
+        cache_dir = self._cache_dir or default_cache_dir(None)
+        try:
+            return await asyncio.to_thread(
+                ensure_sif, image, cache_dir, nohttps=self._nohttps, force=force
+            )
+        except HarborHpcError as exc:
+            hint = f" ({exc.hint})" if exc.hint else ""
+            raise ImageUnavailable(
+                f"task {self.environment_name}: the image {image} could not be converted "
+                f"into {cache_dir}: {exc.message}{hint}"
+            ) from exc
+
+    # -- start ----------------------------------------------------------------
+
+    @override
+    async def start(self, force_build: bool) -> None:
+        self.sif_path = await self._resolve_image(force_build or self._force_pull)
+        flags = await asyncio.to_thread(run_flags, self.sif_path, fakeroot=self._fakeroot)
+        self._prepare_staging()
+        try:
+            await self._launch(flags)
+            await self._run_setup_script()
+        except BaseException:
+            await self.stop(delete=True)
+            raise
+        await self._upload_environment_dir_after_start()
+
+    def _prepare_staging(self) -> None:
+        # mkdtemp makes the folder 0700: other users cannot enter it, whatever is inside.
+        if self._staging_root is not None:
+            self._staging_root.mkdir(parents=True, exist_ok=True)
+        self._private_dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-env-", dir=self._staging_root))
+        staging = self._private_dir / "staging"
+        server_dir = staging / ".hh"
+        for folder in (staging, server_dir, server_dir / "req", server_dir / "out"):
+            folder.mkdir()
+            folder.chmod(0o755)
+        (staging / "xfer").mkdir(mode=0o777)
+        (staging / "xfer").chmod(0o777)
+        shutil.copy(template_path("apptainer_server.py"), server_dir / "server.py")
+        shutil.copy(template_path("apptainer_server.sh"), server_dir / "server.sh")
+        env_files = self.environment_dir / "files"
+        if env_files.is_dir():
+            shutil.copytree(env_files, staging / "env_files", symlinks=True)
+
+    def _command(self, flags: tuple[str, ...]) -> list[str]:
+        assert self.sif_path is not None and self._private_dir is not None
+        no_mount = [
+            arg
+            for part in self._no_mount.split(",")
+            if part.strip()
+            for arg in ("--no-mount", part.strip())
+        ]
+        binds = ["-B", f"{self._private_dir / 'staging'}:{STAGING}"]
+        for mount in self._mounts:
+            if mount.get("type", "bind") == "bind" and mount.get("source") and mount.get("target"):
+                mode = ":ro" if mount.get("read_only") else ""
+                binds += ["-B", f"{mount['source']}:{mount['target']}{mode}"]
+        return [
+            find_apptainer(),
+            "exec",
+            *flags,
+            "--contain",
+            "--cleanenv",
+            "--ipc",
+            "--writable-tmpfs",
+            "--pwd",
+            "/",
+            *no_mount,
+            "--env",
+            f"HARBOR_STAGING={ENV_FILES}",
+            *binds,
+            str(self.sif_path),
+            "/bin/sh",
+            "-c",
+            LAUNCHER,
+            "harbor-hpc-server",
+            f"{STAGING}/.hh",
+            self.workdir,
+        ]
+
+    async def _launch(self, flags: tuple[str, ...]) -> None:
+        assert self._private_dir is not None
+        command = self._command(flags)
+        self.logger.debug("starting the container: %s", shlex.join(command))
+        self._process = await asyncio.create_subprocess_exec(
+            *command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            limit=1 << 20,
+        )
+        self._stderr_task = asyncio.create_task(self._collect_stderr())
+        self._channel = Channel(self._process, self._private_dir / "staging" / ".hh")
+        try:
+            await self._channel.wait_ready()
+        except ChannelClosed as exc:
+            await self._drain_stderr()
+            raise RuntimeError(
+                f"task {self.environment_name}: the container did not start "
+                f"({self.sif_path}):\n{self._stderr_text()}"
+            ) from exc
+        self.logger.debug(
+            "container ready: %s server, uid %d inside", self._channel.mode, self._channel.uid
+        )
+        memory_mb = self._effective_memory_mb
+        if self._watchdog_enabled and memory_mb:
+            self._watchdog = MemoryWatchdog(
+                self._process.pid,
+                limit_bytes=memory_mb * 1024 * 1024,
+                kill_fraction=self._kill_fraction,
+                interval_sec=self._poll_interval,
+            )
+            self._watchdog.start()
+
+    async def _collect_stderr(self) -> None:
+        assert self._process is not None and self._process.stderr is not None
+        async for raw in self._process.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            if line and "gocryptfs not found" not in line:
+                self._stderr_tail.append(line)
+                self.logger.debug("[apptainer] %s", line)
+
+    async def _drain_stderr(self) -> None:
+        if self._stderr_task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._stderr_task), timeout=2)
+
+    def _stderr_text(self) -> str:
+        return "\n".join(self._stderr_tail) or "(apptainer printed nothing)"
+
+    async def _run_setup_script(self) -> None:
+        staging = self.staging_host_dir
+        if staging is None or not (staging / "env_files" / "setup.sh").is_file():
+            return
+        result = await self.exec(f"bash {ENV_FILES}/setup.sh", user=self._container_root())
+        if result.return_code != 0:
+            output = "\n".join(part for part in (result.stdout, result.stderr) if part).strip()
+            raise SetupScriptFailed(
+                f"task {self.environment_name}: environment/files/setup.sh exited with "
+                f"{result.return_code}:\n{output[-4000:]}"
+            )
+
+    def _container_root(self) -> str | None:
+        return "root" if self._channel is not None and self._channel.uid == 0 else None
+
+    # -- exec -----------------------------------------------------------------
+
+    def _script(
+        self, command: str, cwd: str | None, env: dict[str, str] | None, user: str | int | None
+    ) -> bytes:
+        lines = []
+        for name, value in (env or {}).items():
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"not an environment variable name: {name!r}")
+            lines.append(f"export {name}={shlex.quote(str(value))}")
+        lines.append(f"cd -- {shlex.quote(cwd or self.workdir)} || exit 1")
+        switch_to = self._user_to_switch_to(user)
+        if switch_to is None:
+            lines.append(command)
+        else:
+            # Like Harbor's own environments: su keeps the exported variables.
+            lines.append(f"exec su {switch_to} -s /bin/bash -c {shlex.quote(command)}")
+        return ("\n".join(lines) + "\n").encode()
+
+    def _user_to_switch_to(self, user: str | int | None) -> str | None:
+        """The `su` argument for `user`, or None when the command runs as the server's user."""
+        assert self._channel is not None
+        if user is None or str(user) in {str(self._channel.uid), os.environ.get("USER", "")}:
+            return None
+        if self._channel.uid != 0:
+            # Without (fake)root nobody can change user; the container's user stands in
+            # for every user (root included), as it owns everything the task can write.
+            return None
+        if str(user) in {"0", "root"}:
+            return None
+        if isinstance(user, int) or str(user).isdigit():
+            return f'"$(getent passwd {int(user)} | cut -d: -f1)"'
+        return shlex.quote(str(user))
+
+    @override
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        channel = self._require_channel()
+        script = self._script(command, cwd, self._merge_env(env), self._resolve_user(user))
+        callback = self._output_callback()
+        try:
+            if callback is None:
+                output = await channel.run(script, timeout_sec=timeout_sec)
+            else:
+                output = await self._run_streaming(channel, script, timeout_sec, callback)
+        except ChannelClosed as exc:
+            self._raise_if_memory_breached()
+            raise RuntimeError(
+                f"task {self.environment_name}: the container stopped ({exc}):\n"
+                f"{self._stderr_text()}"
+            ) from exc
+        if output.timed_out:
+            raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
+        return ExecResult(
+            stdout=output.stdout.decode(errors="replace"),
+            stderr=output.stderr.decode(errors="replace"),
+            return_code=output.exit_code,
+        )
+
+    async def _run_streaming(
+        self, channel: Channel, script: bytes, timeout_sec: int | None, callback: Any
+    ) -> CommandOutput:
+        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        decoders = {
+            stream: codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for stream in ("stdout", "stderr")
+        }
+
+        async def pump() -> None:
+            while (item := await queue.get()) is not None:
+                stream, data = item
+                text = decoders[stream].decode(data)
+                if text:
+                    await callback(text, stream)
+
+        pumping = asyncio.create_task(pump())
+        try:
+            return await channel.run(
+                script,
+                timeout_sec=timeout_sec,
+                on_chunk=lambda stream, data: queue.put_nowait((stream, data)),
+            )
+        finally:
+            queue.put_nowait(None)
+            await pumping
+
+    def _require_channel(self) -> Channel:
+        self._raise_if_memory_breached()
+        if self._channel is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        return self._channel
+
+    def _raise_if_memory_breached(self) -> None:
+        if self._watchdog is not None and self._watchdog.breach is not None:
+            raise MemoryLimitExceeded(
+                f"task {self.environment_name}: {self._watchdog.breach.describe()}"
+            )
+
+    async def _checked(self, command: str, what: str) -> None:
+        result = await self.exec(command, user=self._container_root())
+        if result.return_code != 0:
+            raise RuntimeError(
+                f"task {self.environment_name}: {what} failed ({result.return_code}): "
+                f"{(result.stderr or result.stdout or '').strip()[-2000:]}"
+            )
+
+    # -- files ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transfer_dir(self) -> Any:
+        """A fresh folder under /staging/xfer: (host path, container path), removed afterwards."""
+        staging = self.staging_host_dir
+        if staging is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        name = uuid.uuid4().hex
+        host = staging / "xfer" / name
+        host.mkdir(mode=0o777)
+        host.chmod(0o777)  # the container's user may differ from ours (fakeroot, su)
+        try:
+            yield host, f"{STAGING}/xfer/{name}"
+        finally:
+            shutil.rmtree(host, ignore_errors=True)
+
+    @override
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        source = Path(source_path)
+        with self._transfer_dir() as (host, inside):
+            await asyncio.to_thread(shutil.copyfile, source, host / "file")
+            target = shlex.quote(target_path)
+            await self._checked(
+                f'mkdir -p -- "$(dirname -- {target})" && cp -- {inside}/file {target}',
+                f"upload of {source} to {target_path}",
+            )
+
+    @override
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        source = Path(source_dir)
+        with self._transfer_dir() as (host, inside):
+            await asyncio.to_thread(shutil.copytree, source, host / "dir", symlinks=True)
+            target = shlex.quote(target_dir)
+            await self._checked(
+                f"mkdir -p -- {target} && cp -R -- {inside}/dir/. {target}/",
+                f"upload of {source} to {target_dir}",
+            )
+
+    @override
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        target = Path(target_path)
+        with self._transfer_dir() as (host, inside):
+            await self._checked(
+                f"cp -- {shlex.quote(source_path)} {inside}/file",
+                f"download of {source_path}",
+            )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(shutil.move, host / "file", target)
+
+    @override
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        target = Path(target_dir)
+        with self._transfer_dir() as (host, inside):
+            await self._checked(
+                f"mkdir -p {inside}/dir && cp -R -- {shlex.quote(source_dir)}/. {inside}/dir/",
+                f"download of {source_dir}",
+            )
+            target.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(
+                shutil.copytree, host / "dir", target, symlinks=True, dirs_exist_ok=True
+            )
+
+    # -- stop -------------------------------------------------------------------
+
+    @override
+    async def stop(self, delete: bool) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        channel, self._channel = self._channel, None
+        process, self._process = self._process, None
+        # Taken before anything ends: Apptainer's FUSE helpers (squashfuse,
+        # fuse-overlayfs) are its children until it exits, orphans after.
+        tree = tree_processes(process.pid) if process is not None else []
+        tree += namespace_processes(tree)
+        if channel is not None and not channel.closed:
+            # Files the container's other users made in /staging may not be ours to
+            # delete on the host (fakeroot maps them to subordinate uids): clear them inside.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    channel.run(b"rm -rf /staging/env_files /staging/xfer\n", timeout_sec=20), 25
+                )
+        if channel is not None:
+            await channel.close(timeout_sec=3)
+        if process is not None:
+            await self._end_process(process, tree)
+        if self._stderr_task is not None:
+            await self._drain_stderr()
+            self._stderr_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._stderr_task
+            self._stderr_task = None
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            if self._private_dir.exists():
+                self.logger.warning("could not remove all of %s", self._private_dir)
+            self._private_dir = None
+        # The .sif stays: it is the shared cache, whatever `delete` says.
+
+    async def _end_process(
+        self, process: asyncio.subprocess.Process, tree: list[psutil.Process]
+    ) -> None:
+        """SIGKILL whatever is left of the tree once the container's main process ended
+        (or did not, within a second), and wait until all of it is gone."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(process.wait(), timeout=1)
+        if process.returncode is None:
+            tree += tree_processes(process.pid)
+        kill_processes(tree)
+        await process.wait()
+        await asyncio.to_thread(psutil.wait_procs, tree, timeout=5)

@@ -1,0 +1,97 @@
+"""The memory watchdog on real processes of this machine (no container needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from harbor_hpc.apptainer.watchdog import (
+    MB,
+    MemoryBreach,
+    MemoryWatchdog,
+    process_tree,
+    tree_pss_bytes,
+)
+
+# Grows by 20 MB every few milliseconds (about 2 GB/s at most), touching every page.
+GROWER = """
+import time
+chunks = []
+for _ in range(300):
+    chunks.append(b"x" * (20 << 20))
+    time.sleep(0.005)
+print("survived", flush=True)
+"""
+
+
+@pytest.fixture
+def sleeping_tree() -> Iterator[subprocess.Popen[bytes]]:
+    """A bash with 49 sleeping children: a tree of 50 processes."""
+    tree = subprocess.Popen(
+        ["bash", "-c", "for i in $(seq 49); do sleep 60 & done; wait"], start_new_session=True
+    )
+    deadline = time.monotonic() + 10
+    while len(process_tree(tree.pid)) < 50 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield tree
+    for process in psutil.Process(tree.pid).children(recursive=True):
+        process.kill()
+    tree.kill()
+    tree.wait()
+
+
+def test_process_tree_finds_every_descendant(sleeping_tree: subprocess.Popen[bytes]) -> None:
+    expected = {sleeping_tree.pid} | {
+        child.pid for child in psutil.Process(sleeping_tree.pid).children(recursive=True)
+    }
+    assert set(process_tree(sleeping_tree.pid)) == expected
+    assert len(expected) == 50
+
+
+def test_tree_under_threshold_is_left_alone(sleeping_tree: subprocess.Popen[bytes]) -> None:
+    pss = tree_pss_bytes(sleeping_tree.pid)
+    assert 0 < pss < 200 * MB
+    watchdog = MemoryWatchdog(sleeping_tree.pid, limit_bytes=1024 * MB)
+    assert watchdog.check() is None
+    assert sleeping_tree.poll() is None
+
+
+def test_grower_is_killed_soon_after_crossing_with_small_overshoot() -> None:
+    limit = 400 * MB
+    breaches: list[MemoryBreach] = []
+    grower = subprocess.Popen(
+        [sys.executable, "-c", GROWER], stdout=subprocess.PIPE, start_new_session=True
+    )
+    watchdog = MemoryWatchdog(grower.pid, limit_bytes=limit, on_breach=breaches.append)
+    started = time.monotonic()
+    watchdog.start()
+    try:
+        grower.wait(timeout=30)
+    finally:
+        watchdog.stop()
+        grower.kill()
+    elapsed = time.monotonic() - started
+    assert grower.returncode == -9
+    assert grower.stdout is not None and b"survived" not in grower.stdout.read()
+    assert breaches and breaches[0] is watchdog.breach
+    breach = breaches[0]
+    assert breach.threshold_bytes == int(limit * 0.95)
+    # Killed before overshooting the threshold by half again (Harbor's reached 4x).
+    assert breach.threshold_bytes < breach.peak_bytes < 1.5 * breach.threshold_bytes
+    assert elapsed < 15
+    message = breach.describe()
+    assert "memory" in message and "400 MB" in message and f"{breach.peak_bytes // MB}" in message
+
+
+def test_stop_ends_the_thread_and_kills_nothing(sleeping_tree: subprocess.Popen[bytes]) -> None:
+    watchdog = MemoryWatchdog(sleeping_tree.pid, limit_bytes=1024 * MB, interval_sec=0.01)
+    watchdog.start()
+    time.sleep(0.1)
+    watchdog.stop()
+    assert watchdog.breach is None
+    assert sleeping_tree.poll() is None

@@ -1,0 +1,321 @@
+"""`harbor-hpc submit`, `status`, `resubmit`, `export`: runs of Harbor trials on Slurm."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.columns import Columns
+from rich.console import Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+
+from harbor_hpc.cli.app import (
+    DryRunOption,
+    JsonOption,
+    VerboseOption,
+    app,
+    console,
+    info,
+    print_json,
+    setup,
+    stdout,
+    warn,
+)
+from harbor_hpc.results.export import export_run
+from harbor_hpc.results.status import AttemptStatus, Summary, attempt_statuses, summarize
+from harbor_hpc.slurm.submit import (
+    ENVIRONMENT,
+    SubmitOptions,
+    SubmitResult,
+    parse_key_values,
+    resubmit_run,
+    submit_run,
+)
+
+RunDirArgument = Annotated[
+    Path,
+    typer.Argument(help="The run folder that `harbor-hpc submit` created.", show_default=False),
+]
+WaitOption = Annotated[
+    bool,
+    typer.Option("--wait", help="Follow the run with a live display until every trial has ended."),
+]
+POLL_SEC = 5.0
+
+
+@app.command()
+def submit(
+    tasks_dir: Annotated[
+        Path, typer.Argument(help="Folder holding the tasks (folders with task.toml).")
+    ],
+    agent: Annotated[
+        str,
+        typer.Option(
+            "--agent", "-a", help="Harbor agent name (oracle, terminus-2, ...) or module:Class."
+        ),
+    ],
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the agent.")] = None,
+    agent_kwarg: Annotated[
+        list[str] | None,
+        typer.Option("--agent-kwarg", help="KEY=VALUE passed to the agent; repeatable."),
+    ] = None,
+    run_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--run-dir",
+            help="Folder for run.json, logs and trials. \\[default: config run_dir/<time>, "
+            "else ./runs/<time>]",
+        ),
+    ] = None,
+    executor: Annotated[
+        str | None,
+        typer.Option(
+            "--executor",
+            help="auto (Slurm when sbatch is on PATH, else local processes), slurm, local. "
+            "\\[default: auto]",
+        ),
+    ] = None,
+    partition: Annotated[
+        str | None, typer.Option("--partition", "-p", help="Slurm partition.")
+    ] = None,
+    account: Annotated[str | None, typer.Option("--account", help="Slurm account.")] = None,
+    qos: Annotated[str | None, typer.Option("--qos", help="Slurm QOS.")] = None,
+    array_parallelism: Annotated[
+        int | None,
+        typer.Option(
+            "--array-parallelism",
+            min=1,
+            help="Array elements running at once (local: processes). \\[default: Slurm 256, local 1]",
+        ),
+    ] = None,
+    tasks_per_job: Annotated[
+        int | None,
+        typer.Option(
+            "--tasks-per-job", "-k", min=1, help="Tasks per array element. \\[default: 1]"
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrency", "-c", min=1, help="Trials at a time within an element. \\[default: 1]"
+        ),
+    ] = None,
+    attempts: Annotated[
+        int, typer.Option("--attempts", min=1, help="Trials per task (pass@k, RL rollouts).")
+    ] = 1,
+    cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--cache-dir", help="The .sif cache the environment uses. \\[default: config]"
+        ),
+    ] = None,
+    environment: Annotated[
+        str,
+        typer.Option(
+            "--environment",
+            help="The Harbor environment, as module:Class (e.g. Harbor's own "
+            "harbor.environments.singularity:SingularityEnvironment).",
+        ),
+    ] = ENVIRONMENT,
+    environment_kwarg: Annotated[
+        list[str] | None,
+        typer.Option("--environment-kwarg", help="KEY=VALUE for the environment; repeatable."),
+    ] = None,
+    time_min: Annotated[
+        int | None,
+        typer.Option(
+            "--time", min=1, help="Minutes per element. \\[default: from the tasks' timeouts]"
+        ),
+    ] = None,
+    mem_mb: Annotated[
+        int | None,
+        typer.Option("--mem", min=1, help="MB per element. \\[default: from the tasks' memory_mb]"),
+    ] = None,
+    cpus: Annotated[
+        int | None,
+        typer.Option("--cpus", min=1, help="CPUs per element. \\[default: from the tasks' cpus]"),
+    ] = None,
+    sbatch_arg: Annotated[
+        list[str] | None,
+        typer.Option("--sbatch-arg", help="Extra sbatch option, e.g. constraint=a100; repeatable."),
+    ] = None,
+    wait: WaitOption = False,
+    json: JsonOption = False,
+    dry_run: DryRunOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Run every task of TASKS_DIR with an agent, as Slurm array jobs of Harbor trials.
+
+    Each array element runs --tasks-per-job tasks, --concurrency trials at a time, in harbor-hpc's
+    Apptainer environment. Trials land in RUN_DIR/trials as standard Harbor trial folders
+    (`harbor view RUN_DIR --jobs` shows them). Tasks whose image is missing are reported, not
+    run. The same submit again into the same --run-dir continues that run: it queues only the
+    attempts that have no finished trial.
+
+    Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --run-dir runs/oracle --wait
+    """
+    config = setup(verbose)
+    env_kwargs = parse_key_values(environment_kwarg or [], "--environment-kwarg")
+    cache = config.pick("cache_dir", str(cache_dir) if cache_dir else None, None)
+    if cache:  # the kwarg name both our environment and Harbor's own take
+        env_kwargs.setdefault(
+            "singularity_image_cache_dir", str(Path(cache).expanduser().absolute())
+        )
+    options = SubmitOptions(
+        agent=agent,
+        model=model,
+        agent_kwargs=parse_key_values(agent_kwarg or [], "--agent-kwarg"),
+        environment=environment,
+        environment_kwargs=env_kwargs,
+        executor=config.pick("executor", executor, "auto"),
+        partition=config.pick("partition", partition, None),
+        account=config.pick("account", account, None),
+        qos=config.pick("qos", qos, None),
+        array_parallelism=config.pick("array_parallelism", array_parallelism, None),
+        tasks_per_job=config.pick("tasks_per_job", tasks_per_job, 1),
+        concurrency=config.pick("concurrency", concurrency, 1),
+        attempts=attempts,
+        time_min=time_min,
+        mem_mb=mem_mb,
+        cpus=cpus,
+        sbatch_args=sbatch_arg or [],
+    )
+    default_root = Path(config.pick("run_dir", None, "runs"))
+    target = run_dir or default_root / time.strftime("%Y%m%d-%H%M%S")
+    result = submit_run(tasks_dir, target, options, dry_run=dry_run)
+    _report_submission(result, json=json, dry_run=dry_run)
+    if wait and not dry_run:
+        _follow(result.run_dir)
+
+
+@app.command()
+def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOption = 0) -> None:
+    """Where every task attempt of a run stands: pending, running, done (reward) or failed (why).
+
+    Works while the run goes on and after; needs squeue for Slurm runs, not sacct. Failure
+    classes: image, setup, memory, timeout, verifier, agent, infrastructure (resubmit those).
+    """
+    setup(verbose)
+    statuses = attempt_statuses(run_dir)
+    if json:
+        print_json([s.to_json() for s in statuses])
+        return
+    stdout.print(_status_table(statuses))
+    stdout.print(_summary_line(summarize(statuses)))
+
+
+@app.command()
+def resubmit(
+    run_dir: RunDirArgument,
+    failed: Annotated[
+        bool,
+        typer.Option("--failed", help="Also rerun attempts that failed (not only lost ones)."),
+    ] = False,
+    wait: WaitOption = False,
+    json: JsonOption = False,
+    dry_run: DryRunOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Rerun the attempts of a run that have no finished trial (dead jobs, lost results).
+
+    With --failed, failed attempts too. Finished trials are kept and never run again; the new
+    trials go into the same run folder as a new submission.
+    """
+    setup(verbose)
+    result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
+    if result.skipped:
+        warn(f"{len(result.skipped)} attempt(s) still pending or running; left alone")
+    _report_submission(result, json=json, dry_run=dry_run)
+    if wait and not dry_run and result.job_ids:
+        _follow(result.run_dir)
+
+
+@app.command()
+def export(
+    run_dir: RunDirArgument,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The JSONL file to write.")],
+    json: JsonOption = False,
+    dry_run: DryRunOption = False,
+    verbose: VerboseOption = 0,
+) -> None:
+    """Write one JSON line per finished trial: rewards, failure, timings, trajectory, tokens.
+
+    The shape RL trainers read rollouts in (token ids, masks and log-probs when the agent
+    reports them). The file is replaced atomically.
+    """
+    setup(verbose)
+    count = export_run(run_dir, out, dry_run=dry_run)
+    if json:
+        print_json({"out": str(out), "rollouts": count, "dry_run": dry_run})
+    else:
+        verb = "would write" if dry_run else "wrote"
+        info(f"{verb} {count} rollout(s) to {out}")
+
+
+def _report_submission(result: SubmitResult, *, json: bool, dry_run: bool) -> None:
+    for task, problem in sorted(result.image_problems.items()):
+        warn(f"not submitted, image missing: {task}: {problem}")
+    if json:
+        print_json({**result.to_json(), "dry_run": dry_run})
+        return
+    if not result.units:
+        info("nothing to submit")
+        return
+    res = result.resources
+    sizing = f" ({res.cpus} cpus, {res.mem_mb} MB, {res.time_min} min each)" if res else ""
+    what = f"{len(result.units)} trial(s) in {len(result.chunks)} element(s){sizing}"
+    if dry_run:
+        info(f"would submit {what} with the {result.executor} executor to {result.run_dir}")
+        return
+    info(f"submitted {what}: {result.executor} job(s) {', '.join(result.job_ids)}")
+    info(f"follow it with: harbor-hpc status {result.run_dir}")
+
+
+def _status_table(statuses: list[AttemptStatus]) -> Table:
+    table = Table(show_lines=False)
+    for column in ("task", "attempt", "state", "reward", "failure", "trial", "message"):
+        table.add_column(column, overflow="fold")
+    colours = {"done": "green", "failed": "red", "running": "cyan", "pending": "dim"}
+    for s in statuses:
+        table.add_row(
+            s.task,
+            str(s.attempt),
+            f"[{colours[s.state]}]{s.state}[/]",
+            "" if s.reward is None else f"{s.reward:g}",
+            s.failure or "",
+            s.trial or "",
+            s.message or "",
+        )
+    return table
+
+
+def _summary_line(summary: Summary) -> str:
+    states = ", ".join(f"{count} {state}" for state, count in summary.states.items())
+    failures = ", ".join(f"{count} {name}" for name, count in summary.failures.items())
+    mean = "n/a" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
+    line = f"{summary.total} attempt(s): {states}; mean reward {mean}"
+    return f"{line}; failures: {failures}" if failures else line
+
+
+def _progress_view(summary: Summary) -> Group:
+    ended = summary.states["done"] + summary.states["failed"]
+    bar = ProgressBar(total=max(1, summary.total), completed=ended, width=40)
+    return Group(Columns([bar, f"{ended}/{summary.total}"]), _summary_line(summary))
+
+
+def _follow(run_dir: Path) -> None:
+    """Show the run's counts live until nothing is pending or running."""
+    with Live(console=console, refresh_per_second=2, transient=True) as live:
+        while True:
+            summary = summarize(attempt_statuses(run_dir))
+            live.update(_progress_view(summary))
+            if summary.finished:
+                break
+            time.sleep(POLL_SEC)
+    info(_summary_line(summary))
+    if summary.states.get("failed"):
+        info(f"details: harbor-hpc status {run_dir}")

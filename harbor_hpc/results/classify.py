@@ -1,0 +1,109 @@
+"""Why a trial failed, in the few classes users act on, from what Harbor wrote in result.json.
+
+Harbor records a failed trial's exception by type name (`exception_info.exception_type`). The
+names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's trial loop
+(`harbor.trial.errors`), its verifier (`harbor.verifier.verifier`) and its agents. Classes:
+
+    image           the task's image is missing or cannot be converted (fix the image, rerun)
+    setup           the container did not come up or setup.sh failed (fix the task)
+    memory          the memory watchdog killed the container (raise memory_mb or fix the task)
+    timeout         the agent or the verifier ran out of time (raise timeouts or accept)
+    verifier        tests did not produce a usable reward (fix tests/test.sh)
+    agent           the agent itself failed (anything else raised while it ran)
+    infrastructure  the job died, was cancelled, or the result is gone (resubmit)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FAILURE_CLASSES = (
+    "image",
+    "setup",
+    "memory",
+    "timeout",
+    "verifier",
+    "agent",
+    "infrastructure",
+)
+
+_CLASS_OF_EXCEPTION: dict[str, str] = {
+    # harbor_hpc.apptainer.errors
+    "ImageUnavailable": "image",
+    "SetupScriptFailed": "setup",
+    "MemoryLimitExceeded": "memory",
+    # Harbor's own Singularity environment, for runs made with it
+    "MemoryLimitExceededError": "memory",
+    # harbor.trial.errors
+    "AgentTimeoutError": "timeout",
+    "AgentSetupTimeoutError": "timeout",
+    "VerifierTimeoutError": "timeout",
+    "EnvironmentStartTimeoutError": "setup",
+    # harbor.environments.base
+    "HealthcheckError": "setup",
+    # harbor.verifier.verifier
+    "AddTestsDirError": "verifier",
+    "VerifierOutputParseError": "verifier",
+    "DownloadVerifierDirError": "verifier",
+    "RewardFileNotFoundError": "verifier",
+    "RewardFileEmptyError": "verifier",
+    # The worker was stopped in the middle of the trial (scancel, preemption, time limit).
+    "CancelledError": "infrastructure",
+}
+
+MESSAGE_LIMIT = 300
+
+
+def failure_class(exception_type: str) -> str:
+    """The failure class of an exception type name; anything unknown is the agent's."""
+    return _CLASS_OF_EXCEPTION.get(exception_type, "agent")
+
+
+def short_message(exception_type: str, message: str) -> str:
+    text = " ".join(message.split())
+    if len(text) > MESSAGE_LIMIT:
+        text = text[: MESSAGE_LIMIT - 3] + "..."
+    return f"{exception_type}: {text}" if text else exception_type
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one finished trial came to: done (maybe with reward 0) or failed with a class."""
+
+    failure: str | None
+    message: str | None
+    reward: float | None
+    rewards: dict[str, float]
+
+    @property
+    def state(self) -> str:
+        return "failed" if self.failure else "done"
+
+
+def primary_reward(rewards: dict[str, float]) -> float | None:
+    """The one number to average: `reward` when present, a lone value, else the mean."""
+    if not rewards:
+        return None
+    if "reward" in rewards:
+        return float(rewards["reward"])
+    values = list(rewards.values())
+    return float(values[0]) if len(values) == 1 else sum(values) / len(values)
+
+
+def outcome_of_result(result: dict[str, Any]) -> Outcome:
+    """Classify a parsed result.json (Harbor's TrialResult as JSON)."""
+    verifier = result.get("verifier_result") or {}
+    raw_rewards = verifier.get("rewards") or {}
+    rewards = {
+        str(key): float(value)
+        for key, value in raw_rewards.items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    reward = primary_reward(rewards)
+    info = result.get("exception_info")
+    if info:
+        exception_type = str(info.get("exception_type") or "Exception")
+        message = short_message(exception_type, str(info.get("exception_message") or ""))
+        return Outcome(failure_class(exception_type), message, reward, rewards)
+    return Outcome(None, None, reward, rewards)

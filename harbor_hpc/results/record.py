@@ -1,0 +1,304 @@
+"""The run folder: what was submitted (`run.json`), what each worker started (markers), trials.
+
+Layout of a run folder:
+
+    run.json              what was asked for: tasks, agent, model, options, every submission
+    trials/<trial>/       standard Harbor trial folders (result.json, trial.log, agent/, verifier/),
+                          so `harbor view RUN_DIR --jobs` shows them as the job `trials`
+    markers/<trial>.json  written by the worker when it starts a trial: task, attempt, job, host
+    submitit/             submitit's pickles and the jobs' stdout/stderr
+
+The unit of work is a task attempt: `--attempts A` runs every task A times (for pass@k or RL
+rollouts), attempt numbers 0..A-1. A trial folder is never reused: a rerun of an attempt (after a
+requeue, a dead job or `resubmit`) gets a new trial name, so no finished trial is overwritten.
+
+`run.json` is shared between the submitting process and `resubmit` runs, so every change goes
+through `update_run` (lock, re-read, change, atomic write). Markers have one writer each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.files import atomic_write_json, file_lock, read_json
+
+SCHEMA = "harbor-hpc/run/v1"
+RUN_FILE = "run.json"
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True, order=True)
+class Unit:
+    """One task attempt: the task's path relative to the tasks root and the attempt number."""
+
+    task: str
+    attempt: int
+
+    def to_json(self) -> list[Any]:
+        return [self.task, self.attempt]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Unit:
+        task, attempt = data
+        return cls(str(task), int(attempt))
+
+
+@dataclass
+class Chunk:
+    """The units one array element runs, and that element's job id once submitted."""
+
+    units: list[Unit]
+    job: str | None = None
+
+
+@dataclass
+class Submission:
+    """One `submit` or `resubmit`: which units went out, in which jobs, with what resources."""
+
+    number: int
+    executor: str
+    host: str
+    submitted_at: str
+    resources: dict[str, Any]
+    chunks: list[Chunk] = field(default_factory=list)
+
+    @property
+    def job_ids(self) -> list[str]:
+        """The array jobs' ids (`1234` for elements `1234_0`, `1234_1`...), in order."""
+        ids: list[str] = []
+        for chunk in self.chunks:
+            if chunk.job is not None:
+                base = chunk.job.split("_", 1)[0]
+                if base not in ids:
+                    ids.append(base)
+        return ids
+
+
+@dataclass
+class RunRecord:
+    tasks_root: str
+    tasks: list[str]
+    agent: str
+    model: str | None
+    agent_kwargs: dict[str, Any]
+    environment: str
+    environment_kwargs: dict[str, Any]
+    options: dict[str, Any]
+    # Tasks that could not be submitted because their image is missing, with the reason.
+    image_problems: dict[str, str] = field(default_factory=dict)
+    submissions: list[Submission] = field(default_factory=list)
+    created_at: str = ""
+    updated_at: str = ""
+
+    @property
+    def attempts(self) -> int:
+        value: int = self.options.get("attempts", 1)
+        return value
+
+    def differences(self, other: RunRecord) -> list[str]:
+        """What `other` would run differently: the fields that define a run's trials."""
+        fields = (
+            *("tasks_root", "tasks", "agent", "model", "agent_kwargs"),
+            *("environment", "environment_kwargs", "attempts"),
+        )
+        return [name for name in fields if getattr(self, name) != getattr(other, name)]
+
+    def units(self) -> list[Unit]:
+        return [Unit(task, k) for task in self.tasks for k in range(self.attempts)]
+
+    def task_path(self, task: str) -> Path:
+        root = Path(self.tasks_root)
+        return root if task == "." else root / task
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "tasks_root": self.tasks_root,
+            "tasks": self.tasks,
+            "agent": self.agent,
+            "model": self.model,
+            "agent_kwargs": self.agent_kwargs,
+            "environment": self.environment,
+            "environment_kwargs": self.environment_kwargs,
+            "options": self.options,
+            "image_problems": self.image_problems,
+            "submissions": [
+                {
+                    **{k: v for k, v in asdict(sub).items() if k != "chunks"},
+                    "job_ids": sub.job_ids,
+                    "chunks": [
+                        {"job": chunk.job, "units": [u.to_json() for u in chunk.units]}
+                        for chunk in sub.chunks
+                    ],
+                }
+                for sub in self.submissions
+            ],
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: Path) -> RunRecord:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise InputError(
+                f"{source}: not a harbor-hpc run record (expected schema {SCHEMA!r})",
+                hint="pass the run folder that `harbor-hpc submit` created",
+            )
+        try:
+            submissions = [
+                Submission(
+                    number=int(sub["number"]),
+                    executor=str(sub["executor"]),
+                    host=str(sub["host"]),
+                    submitted_at=str(sub["submitted_at"]),
+                    resources=dict(sub["resources"]),
+                    chunks=[
+                        Chunk([Unit.from_json(u) for u in chunk["units"]], chunk.get("job"))
+                        for chunk in sub["chunks"]
+                    ],
+                )
+                for sub in data["submissions"]
+            ]
+            return cls(
+                tasks_root=str(data["tasks_root"]),
+                tasks=[str(task) for task in data["tasks"]],
+                agent=str(data["agent"]),
+                model=data.get("model"),
+                agent_kwargs=dict(data.get("agent_kwargs", {})),
+                environment=str(data["environment"]),
+                environment_kwargs=dict(data.get("environment_kwargs", {})),
+                options=dict(data["options"]),
+                image_problems=dict(data.get("image_problems", {})),
+                submissions=submissions,
+                created_at=str(data.get("created_at", "")),
+                updated_at=str(data.get("updated_at", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InputError(f"{source}: malformed run record (bad or missing {exc})") from None
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def record(self) -> Path:
+        return self.root / RUN_FILE
+
+    @property
+    def lock(self) -> Path:
+        return self.root / f".{RUN_FILE}.lock"
+
+    @property
+    def trials(self) -> Path:
+        return self.root / "trials"
+
+    @property
+    def markers(self) -> Path:
+        return self.root / "markers"
+
+    @property
+    def submitit(self) -> Path:
+        return self.root / "submitit"
+
+    def trial(self, name: str) -> Path:
+        return self.trials / name
+
+    def marker(self, trial: str) -> Path:
+        return self.markers / f"{trial}.json"
+
+
+def load_run(run_dir: Path) -> RunRecord:
+    paths = RunPaths(run_dir)
+    if not paths.record.is_file():
+        raise InputError(
+            f"{run_dir}: no {RUN_FILE} here, so not a harbor-hpc run folder",
+            hint="pass the folder given to (or printed by) `harbor-hpc submit`",
+        )
+    return RunRecord.from_json(read_json(paths.record), paths.record)
+
+
+def save_run(run_dir: Path, record: RunRecord) -> None:
+    record.updated_at = now_iso()
+    atomic_write_json(RunPaths(run_dir).record, record.to_json())
+
+
+@contextlib.contextmanager
+def update_run(run_dir: Path) -> Iterator[RunRecord]:
+    """Lock the run record, yield it fresh from disk for changes, write it back atomically."""
+    with file_lock(RunPaths(run_dir).lock):
+        record = load_run(run_dir)
+        yield record
+        save_run(run_dir, record)
+
+
+def create_run(run_dir: Path, record: RunRecord) -> None:
+    """Write the first record of a new run; refuses a folder that already holds a run."""
+    with file_lock(RunPaths(run_dir).lock):
+        if RunPaths(run_dir).record.exists():
+            raise InputError(
+                f"{run_dir}: already holds a run",
+                hint="use `harbor-hpc resubmit` to continue it, or pick another --run-dir",
+            )
+        record.created_at = now_iso()
+        save_run(run_dir, record)
+
+
+def new_trial_name(task: str, attempt: int) -> str:
+    """A fresh trial folder name: the task's last path part, the attempt, a random suffix."""
+    base = Path(task).name if task != "." else "task"
+    return f"{base[:32].rstrip('_-')}__a{attempt}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Marker:
+    """What a worker records when it starts a trial, and why it failed before Harbor could.
+
+    `error_type`/`error_message` are set when the trial could not even be created (for example
+    the environment refused the image), in which case Harbor writes no result.json.
+    `terminated_by` is set when the job was told to stop while the trial ran.
+    """
+
+    trial: str
+    task: str
+    attempt: int
+    submission: int
+    job: str | None
+    host: str
+    pid: int
+    started_at: str
+    error_type: str | None = None
+    error_message: str | None = None
+    # The signal that told the job to stop while this trial ran (scancel, shutdown).
+    terminated_by: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Marker:
+        return cls(**{key: data.get(key) for key in cls.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+def write_marker(run_dir: Path, marker: Marker) -> None:
+    atomic_write_json(RunPaths(run_dir).marker(marker.trial), asdict(marker))
+
+
+def read_markers(run_dir: Path) -> list[Marker]:
+    """Every marker of the run, oldest first; unreadable ones (a crash mid-write) are skipped."""
+    folder = RunPaths(run_dir).markers
+    markers = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            markers.append(Marker.from_json(read_json(path)))
+        except (HarborHpcError, TypeError, AttributeError):
+            continue  # a half-written or foreign file must not hide the others
+    markers.sort(key=lambda m: (m.started_at, m.trial))
+    return markers

@@ -1,0 +1,97 @@
+"""Failure classes from result.json files shaped exactly as Harbor writes them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harbor.models.agent.context import AgentContext
+from harbor.models.trial.config import TaskConfig, TrialConfig
+from harbor.models.trial.result import AgentInfo, ExceptionInfo, TrialResult
+from harbor.models.verifier.result import VerifierResult
+from harbor.trial.errors import (
+    AgentTimeoutError,
+    EnvironmentStartTimeoutError,
+    VerifierTimeoutError,
+)
+from harbor.verifier.verifier import RewardFileNotFoundError
+
+from harbor_hpc.apptainer.errors import ImageUnavailable, MemoryLimitExceeded, SetupScriptFailed
+from harbor_hpc.results.classify import outcome_of_result, primary_reward
+
+
+def harbor_result(
+    tmp_path: Path,
+    *,
+    rewards: dict[str, float] | None = None,
+    exception: BaseException | None = None,
+    agent_result: AgentContext | None = None,
+) -> dict[str, Any]:
+    """A result.json as Harbor's TrialResult serialises it, parsed back."""
+    config = TrialConfig(task=TaskConfig(path=tmp_path / "task"), trials_dir=tmp_path)
+    result = TrialResult(
+        task_name="task",
+        trial_name=config.trial_name,
+        trial_uri=tmp_path.as_uri(),
+        task_id=config.task.get_task_id(),
+        task_checksum="0",
+        config=config,
+        agent_info=AgentInfo(name="oracle", version="1"),
+        agent_result=agent_result,
+        verifier_result=VerifierResult(rewards=rewards) if rewards is not None else None,
+        exception_info=ExceptionInfo.from_exception(exception) if exception else None,
+    )
+    data: dict[str, Any] = json.loads(result.model_dump_json())
+    return data
+
+
+@pytest.mark.parametrize(
+    ("exception", "failure"),
+    [
+        (MemoryLimitExceeded("limit 256 MB, peak 300 MB"), "memory"),
+        (SetupScriptFailed("setup.sh exited 3"), "setup"),
+        (ImageUnavailable("/x.sif not found"), "image"),
+        (AgentTimeoutError("Agent execution timed out after 5.0 seconds"), "timeout"),
+        (VerifierTimeoutError("Verifier timed out"), "timeout"),
+        (EnvironmentStartTimeoutError("start timed out"), "setup"),
+        (RewardFileNotFoundError("no reward"), "verifier"),
+        (asyncio.CancelledError(), "infrastructure"),
+        (RuntimeError("agent crashed"), "agent"),
+    ],
+)
+def test_exception_types_map_to_failure_classes(
+    tmp_path: Path, exception: BaseException, failure: str
+) -> None:
+    outcome = outcome_of_result(harbor_result(tmp_path, exception=exception))
+    assert outcome.state == "failed"
+    assert outcome.failure == failure
+    assert outcome.message is not None
+    assert outcome.message.startswith(type(exception).__name__)
+
+
+def test_a_clean_trial_is_done_with_its_reward(tmp_path: Path) -> None:
+    outcome = outcome_of_result(harbor_result(tmp_path, rewards={"reward": 1}))
+    assert (outcome.state, outcome.failure, outcome.reward) == ("done", None, 1.0)
+    unsolved = outcome_of_result(harbor_result(tmp_path, rewards={"reward": 0}))
+    assert (unsolved.state, unsolved.reward) == ("done", 0.0)
+
+
+def test_the_reward_survives_a_later_failure(tmp_path: Path) -> None:
+    result = harbor_result(tmp_path, rewards={"reward": 1}, exception=RuntimeError("teardown"))
+    outcome = outcome_of_result(result)
+    assert (outcome.state, outcome.failure, outcome.reward) == ("failed", "agent", 1.0)
+
+
+def test_long_messages_are_cut(tmp_path: Path) -> None:
+    outcome = outcome_of_result(harbor_result(tmp_path, exception=RuntimeError("x " * 1000)))
+    assert outcome.message is not None and len(outcome.message) < 400
+
+
+def test_primary_reward() -> None:
+    assert primary_reward({}) is None
+    assert primary_reward({"accuracy": 0.5}) == 0.5
+    assert primary_reward({"reward": 1, "accuracy": 0.5}) == 1.0
+    assert primary_reward({"a": 1, "b": 0}) == 0.5

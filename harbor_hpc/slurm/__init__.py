@@ -1,0 +1,1 @@
+"""Submitting runs of Harbor trials as submitit array jobs (Slurm, or local processes)."""

@@ -1,0 +1,128 @@
+"""How work is cut into array elements and what each element asks Slurm for.
+
+An element runs K tasks (all their attempts), C trials at a time. Unless the user says otherwise
+it asks for what its tasks declare in task.toml: C times the largest memory_mb and cpus, and
+enough time for its tasks to run in waves of C, each wave as long as the slowest task's agent
+and verifier timeouts plus the time a container takes to come up, with headroom on top. Requests
+larger than the partition's biggest node would never start, so they are cut to that node.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.tasks.discovery import Task
+
+# Harbor's defaults when task.toml leaves them out (harbor.models.task.config).
+DEFAULT_AGENT_TIMEOUT_SEC = 600.0
+DEFAULT_VERIFIER_TIMEOUT_SEC = 600.0
+DEFAULT_MEMORY_MB = 2048
+# Starting a container, copying files in and out, stopping it: per trial, on a busy node.
+ENVIRONMENT_OVERHEAD_SEC = 120.0
+# The worker's own Python (Harbor, asyncio, submitit) on top of the containers.
+WORKER_MEMORY_MB = 1024
+TIME_HEADROOM = 1.25
+TIME_HEADROOM_MIN = 5
+# Slurm's own default when the configuration does not say.
+DEFAULT_MAX_ARRAY_SIZE = 1001
+
+
+@dataclass(frozen=True)
+class Resources:
+    time_min: int
+    mem_mb: int
+    cpus: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def chunked[T](items: list[T], size: int) -> list[list[T]]:
+    """`items` in consecutive groups of `size` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError("chunk size must be at least 1")
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def trial_budget_sec(task: Task) -> float:
+    """The longest one trial of `task` may take: its timeouts plus the environment's overhead."""
+    agent = task.timeout_sec("agent") or DEFAULT_AGENT_TIMEOUT_SEC
+    verifier = task.timeout_sec("verifier") or DEFAULT_VERIFIER_TIMEOUT_SEC
+    return agent + verifier + ENVIRONMENT_OVERHEAD_SEC
+
+
+def element_resources(tasks: list[Task], *, trials: int, concurrency: int) -> Resources:
+    """What one element running `trials` trials of `tasks`, `concurrency` at a time, needs."""
+    parallel = max(1, min(concurrency, trials))
+    waves = math.ceil(trials / parallel)
+    slowest = max(trial_budget_sec(task) for task in tasks)
+    time_min = math.ceil(waves * slowest * TIME_HEADROOM / 60) + TIME_HEADROOM_MIN
+    memory = max(task.memory_mb or DEFAULT_MEMORY_MB for task in tasks)
+    cpus = max(task.cpus or 1 for task in tasks)
+    return Resources(time_min, parallel * memory + WORKER_MEMORY_MB, parallel * cpus)
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    cpus: int
+    mem_mb: int
+
+
+def partition_limits(partition: str | None) -> NodeLimits | None:
+    """The biggest node of `partition` (the default partition when None), from sinfo."""
+    sinfo = shutil.which("sinfo")
+    if sinfo is None:
+        return None
+    command = [sinfo, "-h", "-o", "%c %m"]
+    if partition:
+        command += ["-p", partition]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    nodes = []
+    for line in result.stdout.splitlines():
+        cpus, _, mem = line.strip().partition(" ")
+        try:
+            nodes.append(NodeLimits(int(cpus.rstrip("+")), int(mem.rstrip("+"))))
+        except ValueError:
+            continue
+    if not nodes:
+        return None
+    return max(nodes, key=lambda node: (node.mem_mb, node.cpus))
+
+
+def fit_to_node(resources: Resources, limits: NodeLimits | None) -> Resources:
+    if limits is None:
+        return resources
+    return Resources(
+        resources.time_min,
+        min(resources.mem_mb, limits.mem_mb),
+        min(resources.cpus, limits.cpus),
+    )
+
+
+def max_array_size() -> int:
+    """How many elements one Slurm array may have (MaxArraySize in `scontrol show config`)."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise HarborHpcError("scontrol is not on PATH", hint="run submit where Slurm is set up")
+    result = subprocess.run(
+        [scontrol, "show", "config"], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise HarborHpcError(f"scontrol show config failed: {result.stderr.strip()}")
+    return parse_max_array_size(result.stdout)
+
+
+def parse_max_array_size(config_text: str) -> int:
+    for line in config_text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize":
+            try:
+                return int(value.strip())
+            except ValueError:
+                break
+    return DEFAULT_MAX_ARRAY_SIZE

@@ -1,0 +1,63 @@
+"""Small Harbor tasks for the Slurm tests and the submit benchmark, each a known outcome.
+
+The oracle agent runs solution/solve.sh and tests/test.sh writes the reward, so every kind of
+task below ends in a foreseeable way: solved (reward 1), unsolved (reward 0), solved after a
+while, over its memory (the watchdog's `memory`), over its agent time (`timeout`), or without
+an image (`image`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The test passes when solve.sh left the answer where the instruction asks for it.
+_TEST = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat /tmp/answer 2>/dev/null)" = "42" ]; then echo 1 > /logs/verifier/reward.txt
+else echo 0 > /logs/verifier/reward.txt; fi
+"""
+
+SOLVE = {
+    "solved": "echo 42 > /tmp/answer\n",
+    "unsolved": "echo 41 > /tmp/answer\n",
+    # Grows a Python list well past any small memory_mb, slowly enough for a watchdog to see.
+    "memory_hog": (
+        "python3 -c 'import time\nb=[]\nfor _ in range(400):\n"
+        "    b.append(bytearray(8 << 20)); time.sleep(0.02)\ntime.sleep(30)'\n"
+        "echo 42 > /tmp/answer\n"
+    ),
+    "slow": "sleep 600\necho 42 > /tmp/answer\n",
+    # Solves, but takes long enough to be caught running (and cancelled) by a test.
+    "sleepy": "sleep 15\necho 42 > /tmp/answer\n",
+}
+
+
+def make_task(
+    root: Path,
+    name: str,
+    *,
+    kind: str = "solved",
+    image: str | None,
+    memory_mb: int = 512,
+    agent_timeout_sec: float = 60,
+    verifier_timeout_sec: float = 60,
+) -> Path:
+    """Write the task `root/name` of `kind` (a key of SOLVE) running in `image`."""
+    task = root / name
+    (task / "solution").mkdir(parents=True, exist_ok=True)
+    (task / "tests").mkdir(exist_ok=True)
+    (task / "environment").mkdir(exist_ok=True)
+    image_line = f'docker_image = "{image}"\n' if image else ""
+    (task / "task.toml").write_text(
+        'schema_version = "1.4"\n\n'
+        f"[agent]\ntimeout_sec = {agent_timeout_sec}\n\n"
+        f"[verifier]\ntimeout_sec = {verifier_timeout_sec}\n\n"
+        f"[environment]\n{image_line}memory_mb = {memory_mb}\ncpus = 1\n"
+    )
+    (task / "instruction.md").write_text("Write 42 into /tmp/answer.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + SOLVE[kind])
+    (task / "tests" / "test.sh").write_text(_TEST)
+    for script in (task / "solution" / "solve.sh", task / "tests" / "test.sh"):
+        script.chmod(0o755)
+    return task

@@ -1,0 +1,423 @@
+"""Submit a run (`submit`) or what is left of one (`resubmit`) as submitit array jobs.
+
+The plan is made first and written to `run.json` before anything is queued, so a run whose
+submission is interrupted still says what it was meant to be; the job ids are added as soon
+as Slurm hands them out. Tasks whose image is missing are recorded and not submitted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.results.record import (
+    Chunk,
+    RunPaths,
+    RunRecord,
+    Submission,
+    Unit,
+    create_run,
+    load_run,
+    now_iso,
+    update_run,
+)
+from harbor_hpc.results.status import AttemptStatus, attempt_statuses
+from harbor_hpc.slurm.resources import (
+    Resources,
+    chunked,
+    element_resources,
+    fit_to_node,
+    max_array_size,
+    partition_limits,
+)
+from harbor_hpc.slurm.worker import ChunkWorker
+from harbor_hpc.tasks.discovery import Task, discover_tasks, load_task
+
+ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
+EXECUTORS = ("auto", "slurm", "local")
+
+
+@dataclass
+class SubmitOptions:
+    agent: str
+    model: str | None = None
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    environment: str = ENVIRONMENT
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    executor: str = "auto"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    array_parallelism: int | None = None
+    tasks_per_job: int = 1
+    concurrency: int = 1
+    attempts: int = 1
+    time_min: int | None = None
+    mem_mb: int | None = None
+    cpus: int | None = None
+    sbatch_args: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        keys = (
+            "executor",
+            "partition",
+            "account",
+            "qos",
+            "array_parallelism",
+            "tasks_per_job",
+            "concurrency",
+            "attempts",
+            "time_min",
+            "mem_mb",
+            "cpus",
+            "sbatch_args",
+        )
+        return {key: getattr(self, key) for key in keys}
+
+
+@dataclass
+class SubmitResult:
+    run_dir: Path
+    executor: str
+    submission: int | None
+    job_ids: list[str]
+    units: list[Unit]
+    chunks: list[list[Unit]]
+    resources: Resources | None
+    image_problems: dict[str, str]
+    skipped: list[AttemptStatus] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "executor": self.executor,
+            "submission": self.submission,
+            "job_ids": self.job_ids,
+            "trials": len(self.units),
+            "elements": len(self.chunks),
+            "resources": self.resources.to_json() if self.resources else None,
+            "image_problems": self.image_problems,
+        }
+
+
+def parse_key_values(pairs: list[str], what: str) -> dict[str, Any]:
+    """`K=V` options into a dict; values that read as JSON (numbers, true, lists) are typed."""
+    parsed: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"{what} {pair!r} is not KEY=VALUE", hint=f"e.g. {what} timeout=30")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return parsed
+
+
+def parse_sbatch_args(args: list[str]) -> dict[str, Any]:
+    """Extra sbatch options (`--constraint=a100`, `gres=gpu:1`, `--exclusive`) for submitit."""
+    extra: dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.lstrip("-").partition("=")
+        if not key:
+            raise InputError(
+                f"--sbatch-arg {arg!r} is empty", hint="e.g. --sbatch-arg constraint=a100"
+            )
+        extra[key.replace("-", "_")] = value if sep else True
+    return extra
+
+
+def choose_executor(executor: str) -> str:
+    if executor not in EXECUTORS:
+        raise InputError(f"--executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+    if executor == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    if executor == "slurm" and not shutil.which("sbatch"):
+        raise HarborHpcError(
+            "--executor slurm, but sbatch is not on PATH",
+            hint="run on a Slurm login node (`module load slurm`?) or use --executor local",
+        )
+    return executor
+
+
+def image_problem(task: Task) -> str | None:
+    """Why `task` cannot run for want of an image, or None when its image is there to use."""
+    image = task.docker_image
+    if not image:
+        return (
+            f"{task.task_toml}: no environment.docker_image "
+            "(run `harbor-hpc convert` and `harbor-hpc rewrite` first)"
+        )
+    if image.endswith(".sif") and not Path(image).is_file():
+        return f"{task.task_toml}: docker_image {image} does not exist (run `harbor-hpc convert`)"
+    return None
+
+
+def check_agent(agent: str) -> None:
+    from harbor.models.agent.name import AgentName
+
+    if ":" in agent:
+        module = agent.split(":", 1)[0]
+        if importlib.util.find_spec(module) is None:
+            raise InputError(f"--agent {agent}: module {module} cannot be imported")
+        return
+    names = [name.value for name in AgentName]
+    if agent not in names:
+        raise InputError(
+            f"--agent {agent!r} is not a Harbor agent",
+            hint="one of: " + ", ".join(names) + ", or an import path module:Class",
+        )
+
+
+def check_environment(environment: str) -> None:
+    module, sep, _ = environment.partition(":")
+    if not sep:
+        raise InputError(f"--environment {environment!r} is not an import path module:Class")
+    if importlib.util.find_spec(module) is None:
+        raise HarborHpcError(
+            f"the Harbor environment {environment} is not importable",
+            hint="install it in the Python that runs the jobs",
+        )
+
+
+def submit_run(
+    tasks_dir: Path, run_dir: Path, options: SubmitOptions, *, dry_run: bool = False
+) -> SubmitResult:
+    """Discover the tasks, record the run in `run_dir`, and queue every task attempt."""
+    if options.tasks_per_job < 1 or options.concurrency < 1 or options.attempts < 1:
+        raise InputError("--tasks-per-job, --concurrency and --attempts must be at least 1")
+    check_agent(options.agent)
+    check_environment(options.environment)
+    executor = choose_executor(options.executor)
+    run_dir = run_dir.expanduser().absolute()
+    discovery = discover_tasks(tasks_dir, require_dockerfile=False)
+    if discovery.problems:
+        raise InputError(
+            "some tasks cannot be read:\n  " + "\n  ".join(str(p) for p in discovery.problems),
+            hint="fix or remove these task folders",
+        )
+    if not discovery.tasks:
+        raise InputError(f"{tasks_dir}: no tasks (folders with task.toml) found")
+    record = RunRecord(
+        tasks_root=str(discovery.root),
+        tasks=[task.rel for task in discovery.tasks],
+        agent=options.agent,
+        model=options.model,
+        agent_kwargs=options.agent_kwargs,
+        environment=options.environment,
+        environment_kwargs=options.environment_kwargs,
+        options={**options.to_json(), "executor": executor},
+    )
+    if RunPaths(run_dir).record.exists():
+        # The same submit again continues the run: it queues only what has no finished trial.
+        differences = load_run(run_dir).differences(record)
+        if differences:
+            raise InputError(
+                f"{run_dir}: already holds a run with another {', '.join(differences)}",
+                hint="pick another --run-dir, or `harbor-hpc resubmit` to continue that run",
+            )
+        return resubmit_run(run_dir, dry_run=dry_run)
+    if not dry_run:
+        create_run(run_dir, record)
+    return _launch(run_dir, record, record.units(), discovery.by_rel(), dry_run=dry_run)
+
+
+def resubmit_run(run_dir: Path, *, failed: bool = False, dry_run: bool = False) -> SubmitResult:
+    """Queue again the attempts without a finished trial (and with `failed`, the failed ones).
+
+    Attempts still pending or running are left alone; done ones are never run again.
+    """
+    run_dir = run_dir.expanduser().absolute()
+    record = load_run(run_dir)
+    statuses = attempt_statuses(run_dir, record)
+    units = []
+    skipped = []
+    for status in statuses:
+        lost = status.state == "failed" and (
+            status.failure in ("infrastructure", "image") or status.trial is None
+        )
+        if lost or (failed and status.state == "failed"):
+            units.append(Unit(status.task, status.attempt))
+        elif status.state in ("pending", "running"):
+            skipped.append(status)
+    tasks: dict[str, Task] = {}
+    for task_rel in {unit.task for unit in units}:
+        loaded = load_task(
+            Path(record.tasks_root), record.task_path(task_rel), require_dockerfile=False
+        )
+        if not isinstance(loaded, Task):
+            raise InputError(str(loaded), hint="fix the task, then resubmit again")
+        tasks[task_rel] = loaded
+    result = _launch(run_dir, record, units, tasks, dry_run=dry_run)
+    result.skipped = skipped
+    return result
+
+
+def _launch(
+    run_dir: Path,
+    record: RunRecord,
+    units: list[Unit],
+    tasks: dict[str, Task],
+    *,
+    dry_run: bool,
+) -> SubmitResult:
+    """Record image problems, size and chunk the runnable units, and queue them."""
+    options = record.options
+    executor = choose_executor(str(options["executor"]))
+    problems = {
+        rel: problem
+        for rel in sorted({unit.task for unit in units})
+        if (problem := image_problem(tasks[rel])) is not None
+    }
+    runnable = [unit for unit in units if unit.task not in problems]
+    chunks = plan_chunks(
+        runnable,
+        tasks_per_job=int(options["tasks_per_job"]),
+        local_processes=options.get("array_parallelism") if executor == "local" else None,
+    )
+    resources = (
+        _resources(record, [tasks[unit.task] for unit in runnable], chunks, executor)
+        if chunks
+        else None
+    )
+    result = SubmitResult(run_dir, executor, None, [], runnable, chunks, resources, problems)
+    if dry_run:
+        return result
+    with update_run(run_dir) as fresh:
+        for rel in {unit.task for unit in units}:
+            fresh.image_problems.pop(rel, None)
+        fresh.image_problems.update(problems)
+        number = len(fresh.submissions) + 1
+        if chunks and resources is not None:
+            fresh.submissions.append(
+                Submission(
+                    number=number,
+                    executor=executor,
+                    host=socket.gethostname(),
+                    submitted_at=now_iso(),
+                    resources=resources.to_json(),
+                    chunks=[Chunk(chunk) for chunk in chunks],
+                )
+            )
+    if not chunks or resources is None:
+        return result
+    result.submission = number
+    queued = 0
+    try:
+        # Each array's ids are recorded as soon as Slurm gives them, so that a refusal of a
+        # later array leaves the earlier ones known to status and resubmit.
+        for job_ids in _queue(run_dir, record, number, chunks, resources, executor):
+            with update_run(run_dir) as fresh:
+                submission = fresh.submissions[number - 1]
+                for chunk, job_id in zip(submission.chunks[queued:], job_ids, strict=False):
+                    chunk.job = job_id
+                queued += len(job_ids)
+                result.job_ids = submission.job_ids
+    except HarborHpcError:
+        if queued == 0 and number == 1:
+            _forget_run(run_dir)  # nothing ran: the same submit can simply be run again
+        raise
+    return result
+
+
+def _forget_run(run_dir: Path) -> None:
+    paths = RunPaths(run_dir)
+    for path in (paths.record, paths.lock):
+        path.unlink(missing_ok=True)
+    shutil.rmtree(paths.submitit, ignore_errors=True)
+
+
+def plan_chunks(
+    units: list[Unit], *, tasks_per_job: int, local_processes: int | None = None
+) -> list[list[Unit]]:
+    """Group units by task, `tasks_per_job` tasks an element (all attempts of a task together).
+
+    Local runs have no scheduler to hold elements back, so they are cut into at most
+    `local_processes` (default 1) elements that all run at once.
+    """
+    by_task: dict[str, list[Unit]] = {}
+    for unit in units:
+        by_task.setdefault(unit.task, []).append(unit)
+    groups = list(by_task.values())
+    size = tasks_per_job
+    if local_processes is not None and groups:
+        size = max(size, math.ceil(len(groups) / max(1, local_processes)))
+    return [[unit for group in chunk for unit in group] for chunk in chunked(groups, size)]
+
+
+def _resources(
+    record: RunRecord, tasks: list[Task], chunks: list[list[Unit]], executor: str
+) -> Resources:
+    options = record.options
+    derived = element_resources(
+        tasks,
+        trials=max(len(chunk) for chunk in chunks),
+        concurrency=int(options["concurrency"]),
+    )
+    asked = Resources(
+        options.get("time_min") or derived.time_min,
+        options.get("mem_mb") or derived.mem_mb,
+        options.get("cpus") or derived.cpus,
+    )
+    if executor != "slurm":
+        return asked
+    # What the user asked for explicitly is passed on as is; derived requests must fit a node.
+    fitted = fit_to_node(derived, partition_limits(options.get("partition")))
+    return Resources(
+        asked.time_min,
+        options.get("mem_mb") or fitted.mem_mb,
+        options.get("cpus") or fitted.cpus,
+    )
+
+
+def _queue(
+    run_dir: Path,
+    record: RunRecord,
+    number: int,
+    chunks: list[list[Unit]],
+    resources: Resources,
+    executor: str,
+) -> Iterator[list[str]]:
+    """Submit `chunks` as array jobs (several when MaxArraySize is smaller); yields the
+    element job ids of each array as it is queued."""
+    options = record.options
+    folder = RunPaths(run_dir).submitit / "%j"
+    worker = ChunkWorker(str(run_dir), number, int(options["concurrency"]))
+    pool: submitit.Executor
+    if executor == "slurm":
+        pool = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
+        params: dict[str, Any] = {
+            "job_name": f"harbor-hpc:{run_dir.name}",
+            "time": resources.time_min,
+            "mem": f"{resources.mem_mb}M",
+            "cpus_per_task": resources.cpus,
+            "additional_parameters": parse_sbatch_args(list(options.get("sbatch_args") or [])),
+        }
+        for key in ("partition", "account", "qos", "array_parallelism"):
+            if options.get(key):
+                params[key] = options[key]
+        pool.update_parameters(**params)
+        limit = max_array_size()
+    else:
+        pool = submitit.LocalExecutor(folder=folder, max_num_timeout=3)
+        pool.update_parameters(timeout_min=resources.time_min)
+        limit = len(chunks)
+    for part in chunked(chunks, limit):
+        try:
+            jobs = pool.map_array(worker, [[u.to_json() for u in chunk] for chunk in part])
+        except Exception as exc:  # sbatch's refusal comes back as a bare error from submitit
+            raise HarborHpcError(
+                f"submitting to {executor} failed: {' '.join(str(exc).split())}",
+                hint="check --partition/--account/--qos and the resources",
+            ) from None
+        yield [job.job_id for job in jobs]

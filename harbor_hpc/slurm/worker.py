@@ -1,0 +1,150 @@
+"""What runs inside one array element: a chunk of task attempts, C Harbor trials at a time.
+
+The worker is a submitit `Checkpointable`: when Slurm preempts the job or its time limit nears,
+submitit requeues the same callable with the same chunk. Its state is on disk, not in memory:
+before starting a unit it looks at the run's markers and result.json files and skips every unit
+that already has a finished trial in this submission (or a successful one from any), so a
+requeued element picks up where the killed one stopped and never runs a finished trial twice.
+A trial that was cut off midway is started again under a new trial name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from datetime import UTC, datetime
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import submitit
+
+from harbor_hpc.results.record import (
+    Marker,
+    RunPaths,
+    RunRecord,
+    Unit,
+    load_run,
+    new_trial_name,
+    read_markers,
+    write_marker,
+)
+from harbor_hpc.results.status import latest_markers, read_outcome
+
+
+def agent_config_fields(record: RunRecord) -> dict[str, Any]:
+    """Harbor's AgentConfig fields: a registered agent name, or `module:Class` for custom ones."""
+    who = {"import_path": record.agent} if ":" in record.agent else {"name": record.agent}
+    return {**who, "model_name": record.model, "kwargs": record.agent_kwargs}
+
+
+def current_job_id() -> str | None:
+    try:
+        job_id: str = submitit.JobEnvironment().job_id
+        return job_id
+    except RuntimeError:  # called outside a submitit job (tests, debugging)
+        return None
+
+
+class ChunkWorker(submitit.helpers.Checkpointable):
+    """Runs `units` of the run in `run_dir` for submission number `submission`."""
+
+    def __init__(self, run_dir: str, submission: int, concurrency: int) -> None:
+        self.run_dir = run_dir
+        self.submission = submission
+        self.concurrency = concurrency
+        self.terminated_by: str | None = None
+
+    def __call__(self, units: list[list[Any]]) -> dict[str, int]:
+        run_dir = Path(self.run_dir)
+        record = load_run(run_dir)
+        todo = self.units_left(run_dir, [Unit.from_json(u) for u in units])
+        self._watch_termination()
+        asyncio.run(self._run_all(run_dir, record, todo))
+        return {"units": len(units), "ran": len(todo)}
+
+    def _watch_termination(self) -> None:
+        """Note SIGTERM (scancel, node shutdown) so that trials it breaks are not blamed on the
+        agent: Slurm signals every process of the job, containers included, and the trials
+        then fail with whatever error the dying container caused."""
+        self.terminated_by = None
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_term(signum: int, frame: FrameType | None) -> None:
+            self.terminated_by = signal.Signals(signum).name
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def units_left(self, run_dir: Path, units: list[Unit]) -> list[Unit]:
+        newest = latest_markers(read_markers(run_dir))
+        left = []
+        for unit in units:
+            marker = newest.get(unit)
+            outcome = read_outcome(run_dir, marker) if marker else None
+            finished_here = (
+                outcome is not None
+                and marker is not None
+                and outcome.failure != "infrastructure"
+                and (marker.submission == self.submission or outcome.state == "done")
+            )
+            if not finished_here:
+                left.append(unit)
+        return left
+
+    async def _run_all(self, run_dir: Path, record: RunRecord, units: list[Unit]) -> None:
+        slots = asyncio.Semaphore(max(1, self.concurrency))
+
+        async def run_one(unit: Unit) -> None:
+            async with slots:
+                if self.terminated_by is None:  # a dying job starts nothing new
+                    await self._run_trial(run_dir, record, unit)
+
+        await asyncio.gather(*(run_one(unit) for unit in units))
+
+    async def _run_trial(self, run_dir: Path, record: RunRecord, unit: Unit) -> None:
+        # Harbor is imported here, in the job, so that submitting stays quick.
+        from harbor.models.trial.config import (
+            AgentConfig,
+            EnvironmentConfig,
+            TaskConfig,
+            TrialConfig,
+        )
+        from harbor.trial.trial import Trial
+
+        paths = RunPaths(run_dir)
+        marker = Marker(
+            trial=new_trial_name(unit.task, unit.attempt),
+            task=unit.task,
+            attempt=unit.attempt,
+            submission=self.submission,
+            job=current_job_id(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=datetime.now(UTC).isoformat(),
+        )
+        write_marker(run_dir, marker)
+        try:
+            config = TrialConfig(
+                task=TaskConfig(path=record.task_path(unit.task)),
+                trial_name=marker.trial,
+                trials_dir=paths.trials,
+                agent=AgentConfig(**agent_config_fields(record)),
+                environment=EnvironmentConfig(
+                    import_path=record.environment, kwargs=record.environment_kwargs
+                ),
+            )
+            trial = await Trial.create(config)
+            await trial.run()
+            if self.terminated_by is not None:
+                marker.terminated_by = self.terminated_by
+                write_marker(run_dir, marker)
+        except Exception as exc:
+            # Harbor records failures inside trial.run in result.json; this is a failure before
+            # it could (the environment refused the task, the agent name is unknown...).
+            marker.error_type = type(exc).__name__
+            marker.error_message = str(exc)
+            write_marker(run_dir, marker)

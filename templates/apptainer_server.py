@@ -1,0 +1,338 @@
+"""harbor-hpc's in-container command server (python3 standard library only).
+
+The host starts it as the container's main process and speaks to it over the
+container's stdin/stdout pipes, which only the host process holds: there is no
+network listener, so no other user on the node can reach it.
+
+Frames (the header is one ASCII line, payloads follow raw):
+  host -> server  X <id> <timeout_ms|-> <length>\\n<script>   run a shell script
+                  K <id>\\n                                   kill a running script
+                  Q\\n                                        quit
+  server -> host  H py <uid>\\n                               ready
+                  O <id> <length>\\n<bytes>                   stdout chunk
+                  E <id> <length>\\n<bytes>                   stderr chunk
+                  R <id> <exit code> <-|t>\\n                 finished (t: timed out)
+
+Each script runs in its own session (so a timeout or kill reaches its whole
+process group). A bash is kept spawned ahead of time, waiting to source the next
+script from a pipe, which takes the shell's start-up off the exec round trip.
+"""
+
+import errno
+import os
+import selectors
+import signal
+import sys
+import time
+
+CHUNK = 65536
+# After a script's shell exits, how long to wait for background processes that
+# inherited its stdout/stderr before answering anyway.
+LINGER_SEC = 0.2
+SHELL = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
+# Sourcing the script from fd 3 reads it in a few large reads (`read` would go byte by byte).
+WARM_ARGV = [SHELL, "-c", ". /dev/fd/3"]
+# Python ignores SIGPIPE; scripts must get the default back (`yes | head` ends).
+RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class Job:
+    def __init__(self, job_id, pid, out_fd, err_fd, deadline):
+        self.id = job_id
+        self.pid = pid
+        self.fds = {out_fd: b"O", err_fd: b"E"}
+        self.deadline = deadline
+        self.status = None
+        self.exited_at = None
+        self.timed_out = False
+        self.answered = False
+
+
+class Server:
+    def __init__(self):
+        # The channel moves off fds 0/1 so that no script inherits it.
+        self.chan_in = os.dup(0)
+        self.chan_out = os.dup(1)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.close(null)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.chan_in, selectors.EVENT_READ, "channel")
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(wake_r, selectors.EVENT_READ, "wake")
+        self.wake_r = wake_r
+        self.inbuf = b""
+        self.jobs = {}
+        self.by_pid = {}
+        self.orphan_fds = set()
+        self.warm = None
+        self.running = True
+
+    # -- output to the host -------------------------------------------------
+    def send(self, data):
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(self.chan_out, view)
+            except InterruptedError:
+                continue
+            view = view[written:]
+
+    # -- spawning ----------------------------------------------------------
+    def spawn(self, argv, control_fd):
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        actions = [
+            (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, err_w, 2),
+        ]
+        if control_fd is not None:
+            actions.append((os.POSIX_SPAWN_DUP2, control_fd, 3))
+        pid = spawn_process(argv, actions, control_fd, out_w, err_w)
+        os.close(out_w)
+        os.close(err_w)
+        if control_fd is not None:
+            os.close(control_fd)
+        return pid, out_r, err_r
+
+    def prepare_warm(self):
+        if SHELL != "/bin/bash" or self.warm is not None:
+            return
+        ctl_r, ctl_w = os.pipe()
+        pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
+        self.warm = (pid, out_r, err_r, ctl_w)
+
+    def start_job(self, job_id, timeout_ms, script):
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
+        if self.warm is not None:
+            pid, out_r, err_r, ctl_w = self.warm
+            self.warm = None
+            self.send_script(ctl_w, script)
+            # The next warm shell starts while this script runs, not after it answered.
+            self.prepare_warm()
+        else:
+            ctl_r, ctl_w = os.pipe()
+            pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
+            self.send_script(ctl_w, script)
+        job = Job(job_id, pid, out_r, err_r, deadline)
+        self.jobs[job_id] = job
+        self.by_pid[pid] = job
+        for fd in job.fds:
+            self.selector.register(fd, selectors.EVENT_READ, job)
+
+    @staticmethod
+    def send_script(ctl_w, script):
+        # A script bigger than the pipe buffer would block us while the shell
+        # reads it; the shell sources it as one unit, so write it all then close.
+        view = memoryview(script)
+        while view:
+            try:
+                view = view[os.write(ctl_w, view) :]
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    break
+                raise
+        os.close(ctl_w)
+
+    # -- the event loop ----------------------------------------------------
+    def run(self):
+        self.send(("H py %d\n" % os.getuid()).encode())
+        self.prepare_warm()
+        while self.running or self.jobs:
+            for key, _ in self.selector.select(self.next_wait()):
+                if key.data == "channel":
+                    self.read_channel()
+                elif key.data == "wake":
+                    self.drain_wake()
+                elif key.data == "orphan":
+                    self.read_orphan(key.fd)
+                else:
+                    self.read_job(key.data, key.fd)
+            self.reap()
+            self.check_times()
+            self.prepare_warm()
+
+    def next_wait(self):
+        now = time.monotonic()
+        waits = []
+        for job in self.jobs.values():
+            if job.deadline is not None and not job.timed_out:
+                waits.append(job.deadline - now)
+            if job.exited_at is not None:
+                waits.append(job.exited_at + LINGER_SEC - now)
+        return max(0.0, min(waits)) if waits else None
+
+    def read_channel(self):
+        try:
+            data = os.read(self.chan_in, CHUNK)
+        except InterruptedError:
+            return
+        if not data:
+            # The host is gone: nothing can receive results any more.
+            self.running = False
+            self.selector.unregister(self.chan_in)
+            for job in list(self.jobs.values()):
+                kill_group(job.pid)
+            return
+        self.inbuf += data
+        while True:
+            line_end = self.inbuf.find(b"\n")
+            if line_end < 0:
+                return
+            fields = self.inbuf[:line_end].split()
+            if fields and fields[0] == b"X":
+                length = int(fields[3])
+                if len(self.inbuf) < line_end + 1 + length:
+                    return
+                script = self.inbuf[line_end + 1 : line_end + 1 + length]
+                self.inbuf = self.inbuf[line_end + 1 + length :]
+                timeout_ms = None if fields[2] == b"-" else int(fields[2])
+                self.start_job(fields[1].decode(), timeout_ms, script)
+                continue
+            self.inbuf = self.inbuf[line_end + 1 :]
+            if fields and fields[0] == b"K":
+                job = self.jobs.get(fields[1].decode())
+                if job is not None:
+                    kill_group(job.pid)
+            elif fields and fields[0] == b"Q":
+                self.running = False
+                for job in list(self.jobs.values()):
+                    kill_group(job.pid)
+
+    def drain_wake(self):
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def read_job(self, job, fd):
+        try:
+            data = os.read(fd, CHUNK)
+        except InterruptedError:
+            return
+        if data:
+            if not job.answered:
+                header = "%s %s %d\n" % (job.fds[fd].decode(), job.id, len(data))
+                self.send(header.encode() + data)
+            return
+        self.selector.unregister(fd)
+        os.close(fd)
+        del job.fds[fd]
+        self.maybe_finish(job)
+
+    def read_orphan(self, fd):
+        # Output of background processes of a finished script: nobody wants it,
+        # but reading keeps them from blocking on a full pipe.
+        try:
+            data = os.read(fd, CHUNK)
+        except InterruptedError:
+            return
+        if not data:
+            self.selector.unregister(fd)
+            os.close(fd)
+
+    def reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            job = self.by_pid.pop(pid, None)
+            if job is None:
+                if self.warm is not None and self.warm[0] == pid:
+                    # The warm shell died (killed from outside): spawn another.
+                    for fd in self.warm[1:]:
+                        os.close(fd)
+                    self.warm = None
+                continue
+            job.status = exit_code(status)
+            job.exited_at = time.monotonic()
+            self.maybe_finish(job)
+
+    def check_times(self):
+        now = time.monotonic()
+        for job in list(self.jobs.values()):
+            if job.deadline is not None and not job.timed_out and now >= job.deadline:
+                job.timed_out = True
+                kill_group(job.pid)
+            if job.exited_at is not None and now >= job.exited_at + LINGER_SEC:
+                for fd in list(job.fds):
+                    self.selector.modify(fd, selectors.EVENT_READ, "orphan")
+                job.fds.clear()
+                self.maybe_finish(job)
+
+    def maybe_finish(self, job):
+        if job.status is None or job.fds or job.answered:
+            return
+        job.answered = True
+        del self.jobs[job.id]
+        flag = "t" if job.timed_out else "-"
+        self.send(("R %s %d %s\n" % (job.id, job.status, flag)).encode())
+
+
+def spawn_process(argv, actions, control_fd, out_w, err_w):
+    if hasattr(os, "posix_spawn"):
+        return os.posix_spawn(
+            argv[0], argv, os.environ, file_actions=actions, setsid=True, setsigdef=RESET_SIGNALS
+        )
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for signum in RESET_SIGNALS:
+                signal.signal(signum, signal.SIG_DFL)
+            os.setsid()
+            for _, src, dst in actions:
+                os.dup2(src, dst)
+            os.execv(argv[0], argv)
+        finally:
+            os._exit(127)
+    return pid
+
+
+def kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def exit_code(status):
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def become_subreaper():
+    """Orphans of the scripts (daemons that double-fork) become our children rather than
+    leaving the container's process tree, where the host's memory watchdog and stop look."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError, ImportError):
+        pass
+
+
+def main():
+    become_subreaper()
+    workdir = sys.argv[1] if len(sys.argv) > 1 else "/app"
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        os.chdir(workdir)
+    except OSError as exc:
+        sys.stderr.write("harbor-hpc server: cannot use workdir %s: %s\n" % (workdir, exc))
+    Server().run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/bin/bash
+# harbor-hpc's in-container command server for images without python3 (bash only).
+#
+# Same channel as apptainer_server.py (the container's stdin/stdout, held only by
+# the host process), a simpler protocol: the host writes each script to
+# $HH_DIR/req/<id>.sh and sends "X <id> <timeout_ms|->"; the script's stdout and
+# stderr go to $HH_DIR/out/<id>.out and .err, which the host reads through the
+# bind mount, and the server answers "R <id> <exit code> <-|t>" when it ends.
+# "K <id>" kills a script's process group, "Q" quits. Slower than the python
+# server (one more bash per script, files instead of pipes), never different.
+HH_DIR=${1:?usage: apptainer_server.sh HH_DIR WORKDIR}
+WORKDIR=${2:-/app}
+mkdir -p "$WORKDIR" && cd "$WORKDIR" || echo "harbor-hpc server: cannot use workdir $WORKDIR" >&2
+
+# Keep the channel on fds 3/4 (not inherited by scripts), and run each script
+# as a job of its own so that a kill reaches its whole process group.
+exec 3<&0 4>&1 </dev/null >/dev/null
+set -m
+
+declare -A pids
+run_job() {
+    bash "$HH_DIR/req/$1.sh" >"$HH_DIR/out/$1.out" 2>"$HH_DIR/out/$1.err" </dev/null 4>&-
+    printf 'R %s %s -\n' "$1" "$?" >&4
+}
+
+printf 'H sh %s\n' "$(id -u)" >&4
+while IFS=' ' read -r tag id timeout_ms <&3; do
+    case $tag in
+    X)
+        run_job "$id" 3<&- &
+        pids[$id]=$!
+        if [ "$timeout_ms" != - ]; then
+            # At the deadline the watcher kills the job's group (run_job included)
+            # and answers for it; a job that already ended has no group left to kill.
+            (
+                sleep "$((timeout_ms / 1000)).$(printf '%03d' $((timeout_ms % 1000)))"
+                kill -KILL -- "-${pids[$id]}" 2>/dev/null && printf 'R %s 137 t\n' "$id" >&4
+            ) 3<&- &
+        fi
+        ;;
+    K) [ -n "${pids[$id]}" ] && kill -KILL -- "-${pids[$id]}" 2>/dev/null ;;
+    Q) break ;;
+    esac
+done
+kill -KILL -- "${pids[@]/#/-}" 2>/dev/null
