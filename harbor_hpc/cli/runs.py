@@ -89,7 +89,8 @@ def submit(
         typer.Option(
             "--array-parallelism",
             min=1,
-            help="Array elements running at once (local: processes). \\[default: Slurm 256, local 1]",
+            help="Array elements running at once (local: processes). "
+            "\\[default: Slurm 256, local 1]",
         ),
     ] = None,
     tasks_per_job: Annotated[
