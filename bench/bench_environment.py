@@ -22,6 +22,7 @@ import asyncio
 import io
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,13 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif
-from harbor_hpc.apptainer.watchdog import MemoryWatchdog, tree_pss_bytes
+from harbor_hpc.apptainer.watchdog import (
+    MemoryWatchdog,
+    kill_processes,
+    tree_processes,
+    tree_pss_bytes,
+    wait_gone,
+)
 
 IMAGE = "harbor-hpc-bench/harbor-server:1"
 # Harbor's environment starts Apptainer with `--pwd /app`, which must exist in the image.
@@ -71,12 +78,31 @@ def build_image(base: str, wheels: Path) -> None:
     client.close()
 
 
+def add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both benchmarks need to make the image they measure on."""
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--base", default=os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE"))
+    parser.add_argument("--wheels", type=Path, default=os.environ.get("HARBOR_HPC_TEST_WHEELS"))
+
+
+def server_sif(args: argparse.Namespace) -> Path | None:
+    """Build the image both environments can run and its .sif; None (said why) without inputs."""
+    if not args.base or not args.wheels:
+        print("set HARBOR_HPC_TEST_BASE_IMAGE and HARBOR_HPC_TEST_WHEELS (or --base/--wheels)")
+        return None
+    cache_dir = args.cache_dir or default_cache_dir(None)
+    print(f"building {IMAGE} and its .sif in {cache_dir} ...", flush=True)
+    build_image(args.base, args.wheels)
+    return ensure_sif(f"docker-daemon://{IMAGE}", cache_dir)
+
+
 @dataclass
 class Figures:
     start: list[float] = field(default_factory=list)
     execs: list[float] = field(default_factory=list)
     idle_pss: list[float] = field(default_factory=list)
     stop: list[float] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)  # processes still running after stop
 
     def row(self) -> dict[str, float]:
         execs = sorted(self.execs)
@@ -86,6 +112,7 @@ class Figures:
             "exec p90 ms": execs[int(len(execs) * 0.9)] * 1000,
             "idle PSS MB": statistics.median(self.idle_pss),
             "stop s": statistics.median(self.stop),
+            "left running": max(self.left),
         }
 
 
@@ -93,7 +120,7 @@ def tree_root(environment: BaseEnvironment) -> int:
     if isinstance(environment, SingularityEnvironment):
         pid = environment.process_pid
     else:
-        process = environment._server_process  # type: ignore[attr-defined]
+        process = environment._server_process
         pid = process.pid if process is not None else None
     if pid is None:
         raise RuntimeError("the environment has no running process")
@@ -127,10 +154,57 @@ async def measure(cls: type[BaseEnvironment], sif: Path, rounds: int, execs: int
                 figures.execs.append(time.perf_counter() - began)
             await asyncio.sleep(1.0)
             figures.idle_pss.append(tree_pss_bytes(tree_root(environment)) / MB)
+            tree = tree_processes(tree_root(environment))
             began = time.perf_counter()
             await environment.stop(delete=True)
             figures.stop.append(time.perf_counter() - began)
+            left = wait_gone(tree, 1)
+            figures.left.append(len(left))
+            kill_processes(left)
     return figures
+
+
+# Writes 3 GB in 20 MB steps as fast as it can, then holds it for a while.
+HOG = (
+    'python3 -c \'import time\nchunks = []\nfor _ in range(150): chunks.append(b"x" * (20 << 20))'
+    "\ntime.sleep(20)'"
+)
+HOG_LIMIT_MB = 512
+
+
+async def memory_hog(cls: type[BaseEnvironment], sif: Path) -> str:
+    """How far a fast writer gets past the kill threshold (95% of the limit) before the kill."""
+    with tempfile.TemporaryDirectory(prefix="bench-hog-") as scratch:
+        environment_dir = Path(scratch) / "environment"
+        environment_dir.mkdir()
+        trial_paths = TrialPaths(Path(scratch) / "trial")
+        trial_paths.mkdir()
+        environment = cls(
+            environment_dir=environment_dir,
+            environment_name="bench-hog",
+            session_id="bench-hog",
+            trial_paths=trial_paths,
+            task_env_config=EnvironmentConfig(docker_image=str(sif), memory_mb=HOG_LIMIT_MB),
+            logger=logging.getLogger("bench"),
+        )
+        await environment.start(force_build=False)
+        tree = tree_processes(tree_root(environment))
+        began = time.perf_counter()
+        try:
+            await environment.exec(HOG, timeout_sec=60)
+            outcome = "not killed"
+        except Exception as exc:  # each environment reports the kill its own way
+            numbers = re.findall(r"(\d+)\s*MB", str(exc))
+            peak = f"peak {numbers[0]} MB" if numbers else f"{type(exc).__name__}: {exc}"
+            outcome = f"{peak}, killed after {time.perf_counter() - began:.1f} s"
+        finally:
+            await environment.stop(delete=True)
+            # Harbor's watchdog kills only the Apptainer process: its FUSE helpers live on.
+            orphans = wait_gone(tree, 1)
+            if orphans:
+                outcome += f"; left {len(orphans)} processes running (killed by the bench)"
+                kill_processes(orphans)
+    return outcome
 
 
 def watchdog_cost(processes: int = 50, checks: int = 200) -> tuple[float, float]:
@@ -168,17 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--execs", type=int, default=300)
-    parser.add_argument("--cache-dir", type=Path, default=None)
-    parser.add_argument("--base", default=os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE"))
-    parser.add_argument("--wheels", type=Path, default=os.environ.get("HARBOR_HPC_TEST_WHEELS"))
+    add_image_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.base or not args.wheels:
-        print("set HARBOR_HPC_TEST_BASE_IMAGE and HARBOR_HPC_TEST_WHEELS (or --base/--wheels)")
+    sif = server_sif(args)
+    if sif is None:
         return 2
-    cache_dir = args.cache_dir or default_cache_dir(None)
-    print(f"building {IMAGE} and its .sif in {cache_dir} ...", flush=True)
-    build_image(args.base, args.wheels)
-    sif = ensure_sif(f"docker-daemon://{IMAGE}", cache_dir)
     print(f"image: {sif}\n", flush=True)
 
     results: dict[str, Any] = {}
@@ -187,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = asyncio.run(measure(cls, sif, args.rounds, args.execs)).row()
     print()
     print_table(results["ours"], results["theirs"])
+    threshold = int(HOG_LIMIT_MB * 0.95)
+    print(f"\na process writing 3 GB against memory_mb={HOG_LIMIT_MB} (kill at {threshold} MB):")
+    for name, cls in (("harbor-hpc", SingularityEnvironment), ("harbor", HarborSingularity)):
+        print(f"  {name:11} {asyncio.run(memory_hog(cls, sif))}", flush=True)
     rss_ms, pss_ms = watchdog_cost()
     print(
         f"\nmemory watchdog, tree of 50 processes: {rss_ms:.3f} ms CPU per check "

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_environment import IMAGE, build_image
+from bench_environment import add_image_arguments, server_sif
 
-from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif
 from harbor_hpc.slurm.sample_tasks import make_task
 
 HARBOR_ENVIRONMENT = "harbor.environments.singularity:SingularityEnvironment"
@@ -84,17 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=12)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--tasks-per-job", type=int, default=6)
-    parser.add_argument("--base", default=os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE"))
-    parser.add_argument("--wheels", type=Path, default=os.environ.get("HARBOR_HPC_TEST_WHEELS"))
-    parser.add_argument("--cache-dir", type=Path, default=None)
+    add_image_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.base or not args.wheels:
-        print("set HARBOR_HPC_TEST_BASE_IMAGE and HARBOR_HPC_TEST_WHEELS (or --base/--wheels)")
+    sif = server_sif(args)
+    if sif is None:
         return 2
-    cache_dir = args.cache_dir or default_cache_dir(None)
-    print(f"building {IMAGE} and its .sif in {cache_dir} ...", flush=True)
-    build_image(args.base, args.wheels)
-    sif = ensure_sif(f"docker-daemon://{IMAGE}", cache_dir)
     with tempfile.TemporaryDirectory(prefix="bench-submit-") as scratch:
         work = Path(scratch)
         tasks = work / "tasks"

@@ -30,8 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from harbor_hpc.apptainer.runtime import _CANDIDATE_FLAGS as RUNTIME_FLAG_ORDER
-from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.runtime import CANDIDATE_FLAGS, find_apptainer
 from harbor_hpc.apptainer.store import default_cache_dir
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError
@@ -439,7 +438,7 @@ def _exec_in_modes(binary: str, image: Path) -> list[Check]:
     failures: dict[str, str] = {}
     fakeroot: Ran | None = None
     run_check = None
-    for flags in RUNTIME_FLAG_ORDER:
+    for flags in CANDIDATE_FLAGS:
         label = " ".join(flags) or "plain"
         attempt = _exec(binary, image, flags)
         if flags == ("--fakeroot",):

@@ -18,6 +18,10 @@ process group). A bash is kept spawned ahead of time, waiting to source the next
 script from a pipe, which takes the shell's start-up off the exec round trip.
 """
 
+# The image's python3 runs this, which may be as old as 3.5: no f-strings.
+# ruff: noqa: UP031
+
+import contextlib
 import errno
 import os
 import selectors
@@ -30,6 +34,8 @@ CHUNK = 65536
 # inherited its stdout/stderr before answering anyway.
 LINGER_SEC = 0.2
 SHELL = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
+# Two, used oldest first: in a quick series of commands the newest is still loading.
+WARM_SHELLS = 2
 # Sourcing the script from fd 3 reads it in a few large reads (`read` would go byte by byte).
 WARM_ARGV = [SHELL, "-c", ". /dev/fd/3"]
 # Python ignores SIGPIPE; scripts must get the default back (`yes | head` ends).
@@ -71,7 +77,7 @@ class Server:
         self.jobs = {}
         self.by_pid = {}
         self.orphan_fds = set()
-        self.warm = None
+        self.warm = []
         self.running = True
 
     # -- output to the host -------------------------------------------------
@@ -88,31 +94,24 @@ class Server:
     def spawn(self, argv, control_fd):
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        actions = [
-            (os.POSIX_SPAWN_DUP2, out_w, 1),
-            (os.POSIX_SPAWN_DUP2, err_w, 2),
-        ]
-        if control_fd is not None:
-            actions.append((os.POSIX_SPAWN_DUP2, control_fd, 3))
-        pid = spawn_process(argv, actions, control_fd, out_w, err_w)
-        os.close(out_w)
-        os.close(err_w)
-        if control_fd is not None:
-            os.close(control_fd)
+        pid = spawn_process(argv, ((out_w, 1), (err_w, 2), (control_fd, 3)))
+        for fd in (out_w, err_w, control_fd):
+            os.close(fd)
         return pid, out_r, err_r
 
     def prepare_warm(self):
-        if SHELL != "/bin/bash" or self.warm is not None:
+        if SHELL != "/bin/bash":
             return
-        ctl_r, ctl_w = os.pipe()
-        pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
-        self.warm = (pid, out_r, err_r, ctl_w)
+        while len(self.warm) < WARM_SHELLS:
+            ctl_r, ctl_w = os.pipe()
+            pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
+            self.warm.append((pid, out_r, err_r, ctl_w))
 
     def start_job(self, job_id, timeout_ms, script):
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
-        if self.warm is not None:
-            pid, out_r, err_r, ctl_w = self.warm
-            self.warm = None
+        if self.warm:
+            # The oldest: a shell spawned a moment ago may still be loading.
+            pid, out_r, err_r, ctl_w = self.warm.pop(0)
             self.send_script(ctl_w, script)
             # The next warm shell starts while this script runs, not after it answered.
             self.prepare_warm()
@@ -156,7 +155,12 @@ class Server:
                     self.read_job(key.data, key.fd)
             self.reap()
             self.check_times()
-            self.prepare_warm()
+            if self.running:
+                self.prepare_warm()
+        # Idle shells would outlive us (and keep Apptainer waiting for them).
+        for shell in self.warm:
+            kill_group(shell[0])
+        kill_container_processes()
 
     def next_wait(self):
         now = time.monotonic()
@@ -248,11 +252,11 @@ class Server:
                 return
             job = self.by_pid.pop(pid, None)
             if job is None:
-                if self.warm is not None and self.warm[0] == pid:
-                    # The warm shell died (killed from outside): spawn another.
-                    for fd in self.warm[1:]:
+                for shell in [shell for shell in self.warm if shell[0] == pid]:
+                    # A warm shell died (killed from outside): the loop spawns another.
+                    self.warm.remove(shell)
+                    for fd in shell[1:]:
                         os.close(fd)
-                    self.warm = None
                 continue
             job.status = exit_code(status)
             job.exited_at = time.monotonic()
@@ -279,8 +283,10 @@ class Server:
         self.send(("R %s %d %s\n" % (job.id, job.status, flag)).encode())
 
 
-def spawn_process(argv, actions, control_fd, out_w, err_w):
-    if hasattr(os, "posix_spawn"):
+def spawn_process(argv, fd_map):
+    """Start `argv` in a session of its own, with the (source, target) descriptors of `fd_map`."""
+    if hasattr(os, "posix_spawn"):  # Python 3.8 and later
+        actions = [(os.POSIX_SPAWN_DUP2, source, target) for source, target in fd_map]
         return os.posix_spawn(
             argv[0], argv, os.environ, file_actions=actions, setsid=True, setsigdef=RESET_SIGNALS
         )
@@ -290,19 +296,39 @@ def spawn_process(argv, actions, control_fd, out_w, err_w):
             for signum in RESET_SIGNALS:
                 signal.signal(signum, signal.SIG_DFL)
             os.setsid()
-            for _, src, dst in actions:
-                os.dup2(src, dst)
+            for source, target in fd_map:
+                if source == target:
+                    os.set_inheritable(target, True)
+                else:
+                    os.dup2(source, target)
             os.execv(argv[0], argv)
         finally:
             os._exit(127)
     return pid
 
 
-def kill_group(pid):
+def kill_container_processes():
+    """Kill what the scripts left running (daemons), before we go: whatever shares our
+    mount namespace. Only where that namespace is the container's own, not our parent's
+    (Apptainer's): run on a host, this must never touch the host's processes. This covers
+    a host that died without stopping us; a normal stop kills them from the host too."""
     try:
-        os.killpg(pid, signal.SIGKILL)
+        own = os.readlink("/proc/self/ns/mnt")
+        if own == os.readlink("/proc/%d/ns/mnt" % os.getppid()):
+            return
+        entries = os.listdir("/proc")
     except OSError:
-        pass
+        return
+    for entry in entries:
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):
+                if os.readlink("/proc/%s/ns/mnt" % entry) == own:
+                    os.kill(int(entry), signal.SIGKILL)
+
+
+def kill_group(pid):
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def exit_code(status):

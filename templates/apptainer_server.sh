@@ -19,24 +19,29 @@ set -m
 
 declare -A pids
 run_job() {
+    local watcher=
+    if [ "$2" != - ]; then
+        # At the deadline the watcher answers for the job, then kills the job's whole
+        # process group (itself and this function included).
+        (
+            sleep "$(($2 / 1000)).$(printf '%03d' $(($2 % 1000)))" 4>&-
+            printf 'R %s 137 t\n' "$1" >&4
+            kill -KILL 0
+        ) &
+        watcher=$!
+    fi
     bash "$HH_DIR/req/$1.sh" >"$HH_DIR/out/$1.out" 2>"$HH_DIR/out/$1.err" </dev/null 4>&-
-    printf 'R %s %s -\n' "$1" "$?" >&4
+    local status=$?
+    [ -n "$watcher" ] && kill "$watcher" 2>/dev/null
+    printf 'R %s %s -\n' "$1" "$status" >&4
 }
 
 printf 'H sh %s\n' "$(id -u)" >&4
 while IFS=' ' read -r tag id timeout_ms <&3; do
     case $tag in
     X)
-        run_job "$id" 3<&- &
+        run_job "$id" "$timeout_ms" 3<&- &
         pids[$id]=$!
-        if [ "$timeout_ms" != - ]; then
-            # At the deadline the watcher kills the job's group (run_job included)
-            # and answers for it; a job that already ended has no group left to kill.
-            (
-                sleep "$((timeout_ms / 1000)).$(printf '%03d' $((timeout_ms % 1000)))"
-                kill -KILL -- "-${pids[$id]}" 2>/dev/null && printf 'R %s 137 t\n' "$id" >&4
-            ) 3<&- &
-        fi
         ;;
     K) [ -n "${pids[$id]}" ] && kill -KILL -- "-${pids[$id]}" 2>/dev/null ;;
     Q) break ;;

@@ -118,9 +118,17 @@ class Channel:
 
     async def close(self, timeout_sec: float = 5.0) -> None:
         """Ask the server to quit (its running scripts are killed) and read to the end."""
+        self.shutdown()
+        await self.wait_closed(timeout_sec)
+
+    def shutdown(self) -> None:
+        """Ask the server to quit and send nothing more."""
         self._send_quietly(b"Q\n")
         with contextlib.suppress(Exception):
             self._writer.close()
+
+    async def wait_closed(self, timeout_sec: float) -> None:
+        """Read what the server still says until its end (at most `timeout_sec`), then stop."""
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
             await asyncio.wait_for(asyncio.shield(self._reader_task), timeout_sec)
         for task in (self._reader_task, self._exit_task):

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, override
 
 import psutil
-
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
@@ -40,13 +39,20 @@ from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
-from harbor_hpc.apptainer.errors import ImageUnavailable, MemoryLimitExceeded, SetupScriptFailed
+from harbor_hpc.apptainer.errors import (
+    ContainerDied,
+    ContainerStartFailed,
+    ImageUnavailable,
+    MemoryLimitExceeded,
+    SetupScriptFailed,
+)
 from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
 from harbor_hpc.apptainer.watchdog import (
     MemoryWatchdog,
     kill_processes,
     namespace_processes,
     tree_processes,
+    wait_gone,
 )
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.templates import template_path
@@ -59,7 +65,8 @@ DEFAULT_NO_MOUNT = "home,tmp,bind-paths"
 # The image decides which server runs: python3's standard library if it has one, else bash.
 LAUNCHER = (
     'if command -v python3 >/dev/null 2>&1; then exec python3 -I -S "$1/server.py" "$2"; fi; '
-    'exec bash "$1/server.sh" "$1" "$2"'
+    'if command -v bash >/dev/null 2>&1; then exec bash "$1/server.sh" "$1" "$2"; fi; '
+    'echo "harbor-hpc: the image has neither python3 nor bash to run commands with" >&2; exit 127'
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STDERR_TAIL_LINES = 40
@@ -85,7 +92,26 @@ def dockerfile_workdir(dockerfile: Path) -> str | None:
     return workdir
 
 
-class SingularityEnvironment(BaseEnvironment):
+# Variables every shell sets for itself: not something setup.sh chose to export.
+_SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL"}
+
+
+def exported_by_setup(before: bytes, after: bytes) -> dict[str, str]:
+    """Variables that `env -0` shows new or changed in `after` (setup.sh's exports)."""
+
+    def parse(dump: bytes) -> dict[str, str]:
+        pairs = (item.decode(errors="replace").partition("=") for item in dump.split(b"\0"))
+        return {name: value for name, _, value in pairs if _ENV_NAME.match(name)}
+
+    old, new = parse(before), parse(after)
+    return {
+        name: value
+        for name, value in new.items()
+        if name not in _SHELL_OWN and old.get(name) != value
+    }
+
+
+class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor ships no types
     """Runs a task in an Apptainer container from a .sif or a registry reference.
 
     Kwargs (`--environment-kwarg k=v`):
@@ -135,6 +161,10 @@ class SingularityEnvironment(BaseEnvironment):
         self._nohttps = None if nohttps is None else _flag(nohttps)
         self._watchdog_enabled = _flag(memory_watchdog)
         self._kill_fraction = float(memory_kill_fraction)
+        if not 0 < self._kill_fraction <= 1:
+            raise ValueError(
+                f"memory_kill_fraction must be above 0 and at most 1, not {memory_kill_fraction}"
+            )
         self._poll_interval = float(memory_poll_interval_sec)
         self._staging_root = Path(staging_dir) if staging_dir else None
         super().__init__(
@@ -170,6 +200,15 @@ class SingularityEnvironment(BaseEnvironment):
     def capabilities(self) -> EnvironmentCapabilities:
         # The trial's log folders are bind-mounted: Harbor reads them on the host.
         return EnvironmentCapabilities(mounted=True)
+
+    @classmethod
+    @override
+    def preflight(cls) -> None:
+        """Before Harbor queues any trial: is there an Apptainer to run them with?"""
+        try:
+            find_apptainer()
+        except HarborHpcError as exc:
+            raise SystemExit(f"{exc.message}; {exc.hint}") from exc
 
     @override
     def _validate_definition(self) -> None:
@@ -233,7 +272,12 @@ class SingularityEnvironment(BaseEnvironment):
     @override
     async def start(self, force_build: bool) -> None:
         self.sif_path = await self._resolve_image(force_build or self._force_pull)
-        flags = await asyncio.to_thread(run_flags, self.sif_path, fakeroot=self._fakeroot)
+        try:
+            flags = await asyncio.to_thread(run_flags, self.sif_path, fakeroot=self._fakeroot)
+        except HarborHpcError as exc:
+            raise ContainerStartFailed(
+                f"task {self.environment_name}: {exc.message} ({exc.hint})"
+            ) from exc
         self._prepare_staging()
         try:
             await self._launch(flags)
@@ -315,7 +359,7 @@ class SingularityEnvironment(BaseEnvironment):
             await self._channel.wait_ready()
         except ChannelClosed as exc:
             await self._drain_stderr()
-            raise RuntimeError(
+            raise ContainerStartFailed(
                 f"task {self.environment_name}: the container did not start "
                 f"({self.sif_path}):\n{self._stderr_text()}"
             ) from exc
@@ -349,16 +393,28 @@ class SingularityEnvironment(BaseEnvironment):
         return "\n".join(self._stderr_tail) or "(apptainer printed nothing)"
 
     async def _run_setup_script(self) -> None:
+        """Source environment/files/setup.sh once, as Harbor's bootstrap does, and keep what
+        it exports (a PATH to a venv, say) for every later command."""
         staging = self.staging_host_dir
         if staging is None or not (staging / "env_files" / "setup.sh").is_file():
             return
-        result = await self.exec(f"bash {ENV_FILES}/setup.sh", user=self._container_root())
+        before, after = f"{STAGING}/.hh/env.before", f"{STAGING}/.hh/env.after"
+        result = await self.exec(
+            f"env -0 > {before}; . {ENV_FILES}/setup.sh; status=$?; env -0 > {after}; exit $status",
+            user=self._container_root(),
+        )
         if result.return_code != 0:
             output = "\n".join(part for part in (result.stdout, result.stderr) if part).strip()
             raise SetupScriptFailed(
                 f"task {self.environment_name}: environment/files/setup.sh exited with "
                 f"{result.return_code}:\n{output[-4000:]}"
             )
+        self._persistent_env.update(
+            exported_by_setup(
+                (staging / ".hh" / "env.before").read_bytes(),
+                (staging / ".hh" / "env.after").read_bytes(),
+            )
+        )
 
     def _container_root(self) -> str | None:
         return "root" if self._channel is not None and self._channel.uid == 0 else None
@@ -373,7 +429,9 @@ class SingularityEnvironment(BaseEnvironment):
             if not _ENV_NAME.match(name):
                 raise ValueError(f"not an environment variable name: {name!r}")
             lines.append(f"export {name}={shlex.quote(str(value))}")
-        lines.append(f"cd -- {shlex.quote(cwd or self.workdir)} || exit 1")
+        if cwd:
+            # Without one the script starts where the server does, in the workdir.
+            lines.append(f"cd -- {shlex.quote(cwd)} || exit 1")
         switch_to = self._user_to_switch_to(user)
         if switch_to is None:
             lines.append(command)
@@ -416,7 +474,7 @@ class SingularityEnvironment(BaseEnvironment):
                 output = await self._run_streaming(channel, script, timeout_sec, callback)
         except ChannelClosed as exc:
             self._raise_if_memory_breached()
-            raise RuntimeError(
+            raise ContainerDied(
                 f"task {self.environment_name}: the container stopped ({exc}):\n"
                 f"{self._stderr_text()}"
             ) from exc
@@ -558,9 +616,11 @@ class SingularityEnvironment(BaseEnvironment):
                     channel.run(b"rm -rf /staging/env_files /staging/xfer\n", timeout_sec=20), 25
                 )
         if channel is not None:
-            await channel.close(timeout_sec=3)
+            channel.shutdown()
         if process is not None:
             await self._end_process(process, tree)
+        if channel is not None:
+            await channel.wait_closed(timeout_sec=2)
         if self._stderr_task is not None:
             await self._drain_stderr()
             self._stderr_task.cancel()
@@ -585,4 +645,9 @@ class SingularityEnvironment(BaseEnvironment):
             tree += tree_processes(process.pid)
         kill_processes(tree)
         await process.wait()
-        await asyncio.to_thread(psutil.wait_procs, tree, timeout=5)
+        survivors = await asyncio.to_thread(wait_gone, tree, 5)
+        if survivors:
+            self.logger.warning(
+                "processes of the container outlived SIGKILL: %s",
+                ", ".join(str(process.pid) for process in survivors),
+            )

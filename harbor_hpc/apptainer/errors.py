@@ -15,3 +15,11 @@ class SetupScriptFailed(RuntimeError):
 
 class ImageUnavailable(RuntimeError):
     """The task's image (a .sif path or a registry reference) could not be found or converted."""
+
+
+class ContainerStartFailed(RuntimeError):
+    """Apptainer could not start the container or its command server; its output follows."""
+
+
+class ContainerDied(RuntimeError):
+    """The container ended while the trial was using it, for a reason other than memory."""

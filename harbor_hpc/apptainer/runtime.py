@@ -43,7 +43,7 @@ def find_apptainer() -> str:
 
 # Tried in order: what a cluster user normally needs (nothing), then user namespaces
 # (unprivileged installs, or root without the full capability set), then fakeroot.
-_CANDIDATE_FLAGS: tuple[tuple[str, ...], ...] = ((), ("--userns",), ("--fakeroot",))
+CANDIDATE_FLAGS: tuple[tuple[str, ...], ...] = ((), ("--userns",), ("--fakeroot",))
 
 _last_working: tuple[str, ...] | None = None
 _last_working_guard = threading.Lock()
@@ -57,7 +57,7 @@ def run_flags(sif: Path, *, fakeroot: bool = False) -> tuple[str, ...]:
     which is also how the .sif store checks that a fresh conversion is usable.
     """
     global _last_working
-    candidates: list[tuple[str, ...]] = [("--fakeroot",)] if fakeroot else list(_CANDIDATE_FLAGS)
+    candidates: list[tuple[str, ...]] = [("--fakeroot",)] if fakeroot else list(CANDIDATE_FLAGS)
     with _last_working_guard:
         last = _last_working
     if last is not None and last in candidates:

@@ -7,12 +7,15 @@ same checks run inside real containers in test_environment.py.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
+import io
 import os
 import shutil
 import signal
 import time
+import tokenize
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,9 +24,15 @@ import psutil
 import pytest
 
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed
+from harbor_hpc.apptainer.watchdog import kill_processes, tree_processes
 from harbor_hpc.core.templates import template_path
 
-SERVERS = ["py", "sh"]
+# "py-fork": the python server as on an image whose python3 predates os.posix_spawn (3.8).
+SERVERS = ["py", "py-fork", "sh"]
+WITHOUT_POSIX_SPAWN = (
+    "import os, sys; del os.posix_spawn; sys.argv = sys.argv[1:]; "
+    "exec(compile(open(sys.argv[0]).read(), sys.argv[0], 'exec'))"
+)
 MEGABYTE_SCRIPT = b"head -c 1000000 /dev/zero | tr '\\0' 'a'; printf '\\n\\n  '\n"
 
 
@@ -33,9 +42,12 @@ async def host_server(kind: str, folder: Path) -> AsyncIterator[Channel]:
     for sub in ("req", "out"):
         (exchange / sub).mkdir(parents=True)
     workdir = folder / "work"
+    python = shutil.which("python3") or "python3"
+    server = str(template_path("apptainer_server.py"))
     if kind == "py":
-        python = shutil.which("python3") or "python3"
-        argv = [python, "-I", "-S", str(template_path("apptainer_server.py")), str(workdir)]
+        argv = [python, "-I", "-S", server, str(workdir)]
+    elif kind == "py-fork":
+        argv = [python, "-I", "-S", "-c", WITHOUT_POSIX_SPAWN, server, str(workdir)]
     else:
         argv = ["bash", str(template_path("apptainer_server.sh")), str(exchange), str(workdir)]
     process = await asyncio.create_subprocess_exec(
@@ -58,9 +70,7 @@ async def host_server(kind: str, folder: Path) -> AsyncIterator[Channel]:
             await process.wait()
 
 
-def run_with_server(
-    kind: str, folder: Path, body: Callable[[Channel], Awaitable[None]]
-) -> None:
+def run_with_server(kind: str, folder: Path, body: Callable[[Channel], Awaitable[None]]) -> None:
     async def main() -> None:
         async with host_server(kind, folder) as channel:
             await body(channel)
@@ -68,10 +78,18 @@ def run_with_server(
     asyncio.run(main())
 
 
+def test_python_server_runs_on_old_python3() -> None:
+    """No f-strings (3.6) or other new syntax: the image's python3 may be 3.5."""
+    source = template_path("apptainer_server.py").read_text()
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    assert not [token for token in tokens if token.type == tokenize.FSTRING_START]
+    ast.parse(source, feature_version=(3, 5))
+
+
 @pytest.mark.parametrize("kind", SERVERS)
 def test_greeting_names_server_and_uid(kind: str, tmp_path: Path) -> None:
     async def body(channel: Channel) -> None:
-        assert channel.mode == kind
+        assert channel.mode == kind.split("-")[0]
         assert channel.uid == os.getuid()
 
     run_with_server(kind, tmp_path, body)
@@ -148,11 +166,15 @@ def test_server_death_fails_waiting_scripts(kind: str, tmp_path: Path) -> None:
     async def body(channel: Channel) -> None:
         waiting = asyncio.ensure_future(channel.run(b"sleep 300\n"))
         await asyncio.sleep(0.3)
+        tree = tree_processes(channel.pid)
         os.kill(channel.pid, signal.SIGKILL)
-        with pytest.raises(ChannelClosed, match="exited"):
-            await asyncio.wait_for(waiting, 10)
-        with pytest.raises(ChannelClosed):
-            await channel.run(b"true\n")
+        try:
+            with pytest.raises(ChannelClosed, match="exited"):
+                await asyncio.wait_for(waiting, 10)
+            with pytest.raises(ChannelClosed):
+                await channel.run(b"true\n")
+        finally:
+            kill_processes(tree)  # the script the dead server left running
 
     run_with_server(kind, tmp_path, body)
 

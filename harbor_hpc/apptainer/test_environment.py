@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -30,18 +31,25 @@ import pytest
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment, dockerfile_workdir
-from harbor_hpc.apptainer.errors import ImageUnavailable, SetupScriptFailed
-from harbor_hpc.apptainer.runtime import run_flags
+from harbor_hpc.apptainer.environment import (
+    SingularityEnvironment,
+    dockerfile_workdir,
+    exported_by_setup,
+)
+from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
+from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import process_tree
 
 HARBOR = str(Path(sys.executable).parent / "harbor")
 ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
 OTHER_USER = os.environ.get("HARBOR_HPC_TEST_OTHER_USER", "hpcuser2")
+# Becoming the other local user (runuser, setuid) takes root, which CI has.
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 REWARD_TEST = """\
 #!/bin/bash
-if [ "$(cat /app/answer.txt)" = "{expected}" ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+if [ "$(cat /app/answer.txt)" = "{expected}" ]; then echo 1; else echo 0; fi \\
+    > /logs/verifier/reward.txt
 """
 
 
@@ -55,6 +63,15 @@ def test_dockerfile_workdir(tmp_path: Path) -> None:
     assert dockerfile_workdir(dockerfile) == "/srv/app"
     dockerfile.write_text('FROM x\nWORKDIR "/opt/task"\n')
     assert dockerfile_workdir(dockerfile) == "/opt/task"
+
+
+def test_exported_by_setup_keeps_new_and_changed_variables() -> None:
+    before = b"PATH=/usr/bin\0HOME=/root\0SHLVL=1\0KEEP=same\0"
+    after = b"PATH=/opt/venv/bin:/usr/bin\0HOME=/root\0SHLVL=2\0KEEP=same\0NEW=a=b\nc\0"
+    assert exported_by_setup(before, after) == {
+        "PATH": "/opt/venv/bin:/usr/bin",
+        "NEW": "a=b\nc",
+    }
 
 
 def make_environment(
@@ -77,6 +94,17 @@ def test_missing_sif_is_image_unavailable(tmp_path: Path) -> None:
     environment = make_environment(str(tmp_path / "gone.sif"), tmp_path)
     with pytest.raises(ImageUnavailable, match=r"gone\.sif does not exist"):
         asyncio.run(environment.start(force_build=False))
+
+
+def test_preflight_names_the_missing_apptainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_apptainer.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("HARBOR_HPC_APPTAINER", raising=False)
+    try:
+        with pytest.raises(SystemExit, match="neither apptainer nor singularity"):
+            SingularityEnvironment.preflight()
+    finally:
+        find_apptainer.cache_clear()
 
 
 def test_workdir_kwarg_wins_over_dockerfile(tmp_path: Path) -> None:
@@ -231,8 +259,8 @@ def test_oracle_plain_task(debian_sif: Path, tmp_path: Path) -> None:
 @pytest.mark.apptainer
 @pytest.mark.docker
 def test_oracle_with_environment_files_and_setup_script(debian_sif: Path, tmp_path: Path) -> None:
-    setup = 'cp "$HARBOR_STAGING/seed.txt" /opt/seed.txt\necho "setup ran" >&2\n'
-    solve = '[ "$HARBOR_STAGING" = /staging/env_files ] && cat /opt/seed.txt > answer.txt\n'
+    setup = 'cp "$HARBOR_STAGING/seed.txt" /opt/seed.txt\nexport SEED_FILE=/opt/seed.txt\n'
+    solve = '[ "$HARBOR_STAGING" = /staging/env_files ] && cat "$SEED_FILE" > answer.txt\n'
     task = make_task(
         tmp_path,
         str(debian_sif),
@@ -327,10 +355,16 @@ def test_exec_fidelity(image: str, request: pytest.FixtureRequest, tmp_path: Pat
             result = await environment.exec(
                 "printf '  out\\n\\n'; printf ' err \\t\\n' >&2; exit 7"
             )
-            assert (result.stdout, result.stderr, result.return_code) == ("  out\n\n", " err \t\n", 7)
+            assert (result.stdout, result.stderr, result.return_code) == (
+                "  out\n\n",
+                " err \t\n",
+                7,
+            )
             big = await environment.exec("head -c 1000000 /dev/zero | tr '\\0' 'a'; echo")
             assert big.stdout == "a" * 1_000_000 + "\n"
-            where = await environment.exec("pwd; echo $GREETING", cwd="/tmp", env={"GREETING": "a b"})
+            where = await environment.exec(
+                "pwd; echo $GREETING", cwd="/tmp", env={"GREETING": "a b"}
+            )
             assert where.stdout == "/tmp\na b\n"
             assert (await environment.exec("pwd")).stdout == "/app\n"
             with pytest.raises(RuntimeError, match="timed out after 1 seconds"):
@@ -343,6 +377,15 @@ def test_exec_fidelity(image: str, request: pytest.FixtureRequest, tmp_path: Pat
             assert state.stdout in ("gone\n", "Z\n")
             as_root = await environment.exec("id -u", user="root")
             assert as_root.return_code == 0
+            streamed: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+            async def collect(text: str, stream: str) -> None:
+                streamed[stream].append(text)
+
+            with environment.scoped_output_callback(collect):
+                shown = await environment.exec("echo één; echo twee >&2; echo drie")
+            assert "".join(streamed["stdout"]) == shown.stdout == "één\ndrie\n"
+            assert "".join(streamed["stderr"]) == shown.stderr == "twee\n"
 
     asyncio.run(main())
 
@@ -376,7 +419,9 @@ def test_files_round_trip_with_spaces_and_a_large_file(debian_sif: Path, tmp_pat
 @pytest.mark.parametrize(
     "image", ["debian_sif", pytest.param("nopython_sif", marks=pytest.mark.registry)]
 )
-def test_nothing_left_after_stop(image: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_nothing_left_after_stop(
+    image: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     sif: Path = request.getfixturevalue(image)
 
     async def main() -> tuple[list[int], Path]:
@@ -400,6 +445,55 @@ def test_nothing_left_after_stop(image: str, request: pytest.FixtureRequest, tmp
     assert sif.exists()
 
 
+HOST_THAT_DIES = """
+import asyncio, json, logging, os, signal, sys
+from pathlib import Path
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+
+async def main():
+    folder = Path(sys.argv[2])
+    paths = TrialPaths(folder / "trial")
+    paths.mkdir()
+    (folder / "environment").mkdir()
+    environment = SingularityEnvironment(
+        environment_dir=folder / "environment", environment_name="crash", session_id="crash__env",
+        trial_paths=paths, task_env_config=EnvironmentConfig(docker_image=sys.argv[1]),
+        logger=logging.getLogger("crash"), staging_dir=folder / "staging",
+    )
+    await environment.start(force_build=False)
+    await environment.exec("(setsid sleep 600 >/dev/null 2>&1 </dev/null & echo $! > /tmp/d)")
+    daemon = int((await environment.exec("cat /tmp/d")).stdout)
+    print(json.dumps([environment.process_pid, daemon]), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no stop(): the host dies
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_container_ends_when_its_host_dies(debian_sif: Path, tmp_path: Path) -> None:
+    host = subprocess.run(
+        [sys.executable, "-c", HOST_THAT_DIES, str(debian_sif), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert host.returncode == -9, host.stderr
+    apptainer, daemon = json.loads(host.stdout)
+    deadline = time.monotonic() + 10
+    while still_running([apptainer, daemon]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = still_running([apptainer, daemon])
+    for pid in (apptainer, daemon):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()  # whatever failed the test is not left behind
+    assert left == []
+    assert not leftover_processes(debian_sif)
+
+
 OTHER_USER_PROBE = """
 import errno, json, os, sys
 pids, private = json.loads(sys.argv[1]), sys.argv[2]
@@ -421,6 +515,7 @@ print(json.dumps({"denied": denied, "reached": reached}))
 
 @pytest.mark.apptainer
 @pytest.mark.docker
+@needs_root
 def test_other_user_cannot_reach_the_channel(debian_sif: Path, tmp_path: Path) -> None:
     async def main() -> None:
         async with started(debian_sif, tmp_path) as environment:
@@ -432,8 +527,12 @@ def test_other_user_cannot_reach_the_channel(debian_sif: Path, tmp_path: Path) -
                 with_sockets = psutil.Process(pid).net_connections(kind="inet")
                 assert not [c for c in with_sockets if c.status == psutil.CONN_LISTEN]
             probe = subprocess.run(
-                ["runuser", "-u", OTHER_USER, "--", "/usr/bin/python3", "-c", OTHER_USER_PROBE]
-                + [json.dumps(tree), str(environment.staging_host_dir.parent)],
+                [
+                    *("runuser", "-u", OTHER_USER, "--", "/usr/bin/python3", "-c"),
+                    OTHER_USER_PROBE,
+                    json.dumps(tree),
+                    str(environment.staging_host_dir.parent),
+                ],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -463,10 +562,10 @@ def run_as_other_user(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
             os.environ.update(HOME=account.pw_dir, USER=OTHER_USER, LOGNAME=OTHER_USER)
             run_flags.cache_clear()
             try:
-                outcome = body()
+                found = body()
             except BaseException as exc:
-                outcome = {"error": f"{type(exc).__name__}: {exc}"}
-            os.write(write_end, json.dumps(outcome).encode())
+                found = {"error": f"{type(exc).__name__}: {exc}"}
+            os.write(write_end, json.dumps(found).encode())
             status = 0
         finally:
             os._exit(status)
@@ -480,6 +579,7 @@ def run_as_other_user(body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.mark.apptainer
 @pytest.mark.docker
+@needs_root
 @pytest.mark.parametrize("fakeroot", [False, True])
 def test_works_as_an_ordinary_user(debian_sif: Path, shared_dir: Path, fakeroot: bool) -> None:
     folder = shared_dir / f"as-user-{uuid.uuid4().hex[:8]}"
@@ -508,6 +608,16 @@ def test_works_as_an_ordinary_user(debian_sif: Path, shared_dir: Path, fakeroot:
 
 @pytest.mark.apptainer
 @pytest.mark.docker
+@pytest.mark.registry
+def test_image_with_neither_python_nor_bash_fails_clearly(tiny_sif: Path, tmp_path: Path) -> None:
+    environment = make_environment(str(tiny_sif), tmp_path)
+    with pytest.raises(ContainerStartFailed, match="neither python3 nor bash"):
+        asyncio.run(environment.start(force_build=False))
+    assert not leftover_processes(tiny_sif)
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
 def test_fakeroot_as_root(debian_sif: Path, tmp_path: Path) -> None:
     async def main() -> None:
         async with started(debian_sif, tmp_path, fakeroot=True) as environment:
@@ -530,4 +640,38 @@ def test_setup_script_failure_raises_with_output(debian_sif: Path, tmp_path: Pat
         assert environment.process_pid is None
 
     asyncio.run(main())
+    assert not leftover_processes(debian_sif)
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@needs_root
+def test_oracle_trial_through_harbor_as_an_ordinary_user(
+    debian_sif: Path, shared_dir: Path
+) -> None:
+    """The whole `harbor trial start` as a cluster user would run it: not root, own files."""
+    folder = shared_dir / f"trial-as-user-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    task = make_task(folder, str(debian_sif), "echo 42 > answer.txt\n")
+    trials = folder / "trials"
+    trials.mkdir()
+    shutil.chown(trials, OTHER_USER, OTHER_USER)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755)  # the task is the lab's, readable by its users
+    account = pwd.getpwnam(OTHER_USER)
+    as_user = ["runuser", "-u", OTHER_USER, "--", "env", f"HOME={account.pw_dir}"]
+    trial = [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", ENVIRONMENT]
+    finished = subprocess.run(
+        [*as_user, *trial, "--trials-dir", str(trials)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=folder,
+    )
+    results = list(trials.glob(f"{task.name}__*/result.json"))
+    assert results, f"no result.json:\n{finished.stdout}\n{finished.stderr}"
+    result = json.loads(results[0].read_text())
+    assert result["exception_info"] is None
+    assert reward(result) == 1.0
+    assert all(p.stat().st_uid == account.pw_uid for p in results[0].parent.rglob("*"))
     assert not leftover_processes(debian_sif)

@@ -18,6 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harbor_hpc.apptainer.errors import (
+    ContainerDied,
+    ContainerStartFailed,
+    ImageUnavailable,
+    MemoryLimitExceeded,
+    SetupScriptFailed,
+)
+
 FAILURE_CLASSES = (
     "image",
     "setup",
@@ -29,10 +37,12 @@ FAILURE_CLASSES = (
 )
 
 _CLASS_OF_EXCEPTION: dict[str, str] = {
-    # harbor_hpc.apptainer.errors
-    "ImageUnavailable": "image",
-    "SetupScriptFailed": "setup",
-    "MemoryLimitExceeded": "memory",
+    # our environment's (harbor_hpc.apptainer.errors)
+    ImageUnavailable.__name__: "image",
+    SetupScriptFailed.__name__: "setup",
+    ContainerStartFailed.__name__: "setup",
+    MemoryLimitExceeded.__name__: "memory",
+    ContainerDied.__name__: "infrastructure",
     # Harbor's own Singularity environment, for runs made with it
     "MemoryLimitExceededError": "memory",
     # harbor.trial.errors
