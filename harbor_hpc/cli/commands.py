@@ -1,9 +1,12 @@
-"""Imports every subcommand module so that each registers itself on the app."""
+"""Imports every subcommand module so that each registers itself on the app.
 
-from harbor_hpc.cli import (
-    convert,  # noqa: F401
-    doctor,  # noqa: F401
-    fetch,  # noqa: F401
-    prep,  # noqa: F401
-    runs,  # noqa: F401
-)
+The order is the order of the steps, which is the order `harbor-hpc --help` lists them in.
+"""
+
+# isort: off
+from harbor_hpc.cli import fetch  # noqa: F401
+from harbor_hpc.cli import prep  # noqa: F401
+from harbor_hpc.cli import convert  # noqa: F401
+from harbor_hpc.cli import runs  # noqa: F401
+from harbor_hpc.cli import doctor  # noqa: F401
+# isort: on

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.errors import HarborHpcError, InputError
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
@@ -58,9 +58,9 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise HarborHpcError(f"{path}: no such file") from None
+        raise InputError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HarborHpcError(f"{path}: not valid JSON ({exc})", exit_code=2) from None
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _umask() -> int:
@@ -70,7 +70,7 @@ def _umask() -> int:
 
 
 class LockTimeout(HarborHpcError):
-    pass
+    """Another process held the lock longer than the caller would wait."""
 
 
 @contextlib.contextmanager
