@@ -18,6 +18,7 @@ that is already there.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import threading
@@ -94,7 +95,11 @@ def plan_build(root: Path, registry: str, *, jobs: int = 2) -> BuildPlan:
     places = [(task.rel, task.environment_dir) for task in discovery.tasks]
     if jobs > 1 and len(places) >= _PARALLEL_HASH_MIN:
         chunk = max(1, len(places) // (jobs * 8))
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_reset_worker_digests) as pool:
+        # forkserver: forking a process that may run threads (docker's, rich's) can deadlock.
+        workers = multiprocessing.get_context("forkserver")
+        with ProcessPoolExecutor(
+            max_workers=jobs, mp_context=workers, initializer=_reset_worker_digests
+        ) as pool:
             contexts = list(pool.map(_hash_in_worker, places, chunksize=chunk))
     else:
         digests = FileDigests()

@@ -34,7 +34,7 @@ def test_concurrent_updates_lose_nothing(tmp_path: Path) -> None:
     with update_manifest(path, create=Manifest("reg/ns", str(tmp_path))) as manifest:
         for key in keys:
             manifest.set_image(key, ImageRecord("reg/ns/env", key, [key]))
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork is unsafe once threads run
     procs = [ctx.Process(target=_add_sif, args=(str(path), key)) for key in keys]
     for proc in procs:
         proc.start()
