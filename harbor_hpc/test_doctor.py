@@ -203,3 +203,23 @@ def test_doctor_here_is_ready_for_every_role(tmp_path: Path) -> None:
         assert "missing" not in statuses[part]
     report = doctor.run_doctor(Role.CLUSTER, tmp_path / "cache")
     assert report.ok and {check.part for check in report.checks} >= {"apptainer", "slurm"}
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_doctor_as_an_ordinary_user_is_ready_for_the_cluster() -> None:
+    user = os.environ.get("HARBOR_HPC_TEST_OTHER_USER", "hpcuser2")
+    home = Path("~" + user).expanduser()
+    as_user = ["runuser", "-u", user, "--", "env", f"HOME={home}"]
+    done = subprocess.run(
+        [*as_user, sys.executable, "-m", "harbor_hpc", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = json.loads(done.stdout)
+    run = next(c for c in checks if c["part"] == "apptainer" and c["check"] == "run an image")
+    assert run["status"] == "ok"
