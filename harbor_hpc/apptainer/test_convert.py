@@ -149,7 +149,7 @@ def test_convert_on_slurm(tiny_image: TinyImage, tmp_path: Path) -> None:
     partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION", "debug")
     result = cli(
         "--manifest", str(manifest), "--cache-dir", str(store), "--nohttps", "--slurm",
-        "--partition", partition, "--time-min", "10", "--json",
+        "--partition", partition, "--time", "10", "--json",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
     summary = json.loads(result.stdout)

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from harbor_hpc.core.config import Config, load_config
@@ -133,8 +134,10 @@ def progress() -> Progress:
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}", highlight=False)
+    # Messages carry task names, paths and tool output: `[v2]` in them is text, not markup
+    # (unescaped it vanished from the line, and `[/x]` ended the command with a MarkupError).
+    console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
 
 
 def info(message: str) -> None:
-    console.print(message, highlight=False)
+    console.print(message, highlight=False, markup=False)  # text as is, as in warn

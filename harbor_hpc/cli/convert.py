@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from harbor_hpc.apptainer.convert import (
     ImageConversion,
@@ -75,7 +76,7 @@ def convert(
         ),
     ] = False,
     partition: Annotated[
-        str | None, typer.Option("--partition", help="Slurm partition. \\[config: partition]")
+        str | None, typer.Option("--partition", "-p", help="Slurm partition. \\[config: partition]")
     ] = None,
     account: Annotated[
         str | None, typer.Option("--account", help="Slurm account. \\[config: account]")
@@ -83,7 +84,7 @@ def convert(
     qos: Annotated[str | None, typer.Option("--qos", help="Slurm QOS. \\[config: qos]")] = None,
     time_min: Annotated[
         int | None,
-        typer.Option("--time-min", min=1, help="Time limit per image, minutes. \\[default: 60]"),
+        typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). \\[default: 60]"),
     ] = None,
     dry_run: DryRunOption = False,
     json: JsonOption = False,
@@ -163,12 +164,13 @@ def _report(planned: list[ImageConversion], store: Path, *, json: bool, dry_run:
     for conversion in planned:
         if conversion.state == "failed":
             console.print(
-                f"[red bold]failed:[/] {conversion.image} (tasks: {conversion.tasks_text()}): "
-                f"{conversion.error}",
+                # Apptainer's output and task names are text, not markup (see `warn`).
+                f"[red bold]failed:[/] {conversion.image} (tasks: "
+                f"{escape(conversion.tasks_text())}): {escape(conversion.error or '')}",
                 highlight=False,
             )
             if conversion.hint:
-                console.print(f"  [dim]hint:[/] {conversion.hint}", highlight=False)
+                console.print(f"  [dim]hint:[/] {escape(conversion.hint)}", highlight=False)
         elif dry_run and conversion.state == "to convert":
             stdout.print(f"would convert {conversion.image} -> {conversion.sif}", highlight=False)
     summary = ", ".join(f"{count} {state}" for state, count in counts.items() if count)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from harbor_hpc.cli.app import (
@@ -166,7 +167,7 @@ def _show_plan(plan: BuildPlan, recorded: Manifest | None, json_output: bool) ->
     for column in ("image", "tasks", "example task", "status"):
         table.add_column(column)
     for key, image in plan.images.items():
-        table.add_row(image.tagged, str(len(image.tasks)), image.tasks[0], status(key))
+        table.add_row(image.tagged, str(len(image.tasks)), escape(image.tasks[0]), status(key))
     stdout.print(table)
     for task, error in sorted(plan.task_errors.items()):
         warn(f"{task}: {error}")
@@ -200,7 +201,7 @@ def _show_build(result: BuildResult, json_output: bool) -> None:
         table.add_column(column)
     for outcome in result.outcomes:
         shown = outcome.record.reference or outcome.image.tagged
-        text = outcome.record.error or outcome.action
+        text = escape(outcome.record.error or outcome.action)  # Docker's output is not markup
         style = "red" if outcome.failed else ""
         table.add_row(
             shown, str(len(outcome.image.tasks)), f"[{style}]{text}[/]" if style else text
@@ -250,7 +251,7 @@ def _show_rewrite(result: RewriteResult, dry_run: bool, json_output: bool) -> No
     if json_output:
         data: dict[str, Any] = {
             "changed": result.changed,
-            "unchanged": len(result.unchanged),
+            "unchanged": result.unchanged,
             "skipped": result.skipped,
             "problems": _problems_json(result.problems),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -10,9 +11,11 @@ import typer
 from rich.columns import Columns
 from rich.console import Group
 from rich.live import Live
+from rich.markup import escape
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from harbor_hpc.apptainer.store import CACHE_ENV, default_cache_dir
 from harbor_hpc.cli.app import (
     DryRunOption,
     JsonOption,
@@ -161,11 +164,13 @@ def submit(
     """
     config = setup(verbose)
     env_kwargs = parse_key_values(environment_kwarg or [], "--environment-kwarg")
-    cache = config.pick("cache_dir", str(cache_dir) if cache_dir else None, None)
-    if cache:  # the kwarg name both our environment and Harbor's own take
-        env_kwargs.setdefault(
-            "singularity_image_cache_dir", str(Path(cache).expanduser().absolute())
-        )
+    # The store `convert` and `doctor` use: --cache-dir, else $HARBOR_HPC_CACHE, else the
+    # config's (the config used to win over $HARBOR_HPC_CACHE here, so trials converted their
+    # images again into another store than the one `convert` filled).
+    if cache_dir or os.environ.get(CACHE_ENV) or config.values.get("cache_dir"):
+        store = cache_dir or default_cache_dir(config.values.get("cache_dir"))
+        # the kwarg name both our environment and Harbor's own take
+        env_kwargs.setdefault("singularity_image_cache_dir", str(store.expanduser().absolute()))
     options = SubmitOptions(
         agent=agent,
         model=model,
@@ -180,7 +185,8 @@ def submit(
         tasks_per_job=config.pick("tasks_per_job", tasks_per_job, 1),
         concurrency=config.pick("concurrency", concurrency, 1),
         attempts=attempts,
-        time_min=time_min,
+        # The config's time_min sizes trials; convert's --time (per image) ignores it.
+        time_min=config.pick("time_min", time_min, None),
         mem_mb=mem_mb,
         cpus=cpus,
         sbatch_args=sbatch_arg or [],
@@ -282,14 +288,14 @@ def _status_table(statuses: list[AttemptStatus]) -> Table:
         table.add_column(column, overflow="fold")
     colours = {"done": "green", "failed": "red", "running": "cyan", "pending": "dim"}
     for s in statuses:
-        table.add_row(
-            s.task,
+        table.add_row(  # names and messages are text, not markup (see `warn`)
+            escape(s.task),
             str(s.attempt),
             f"[{colours[s.state]}]{s.state}[/]",
             "" if s.reward is None else f"{s.reward:g}",
             s.failure or "",
-            s.trial or "",
-            s.message or "",
+            escape(s.trial or ""),
+            escape(s.message or ""),
         )
     return table
 

@@ -61,6 +61,8 @@ def read_json(path: Path) -> Any:
         raise InputError(f"{path}: no such file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: not valid JSON ({exc})") from None
+    except OSError as exc:  # a folder given for a file, no permission: the user's to fix
+        raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
 
 
 def _umask() -> int:

@@ -41,6 +41,10 @@ def test_read_json_names_the_file(tmp_path: Path) -> None:
         read_json(bad)
     with pytest.raises(HarborHpcError, match=r"missing\.json: no such file"):
         read_json(tmp_path / "missing.json")
+    # A folder given as --manifest used to end in "internal error: IsADirectoryError".
+    with pytest.raises(HarborHpcError, match=r"cannot read it \(Is a directory\)") as folder:
+        read_json(tmp_path)
+    assert folder.value.exit_code == 2
 
 
 def _hold_lock(path: str, ready: "multiprocessing.synchronize.Event") -> None:

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_text, read_json
 from harbor_hpc.results.classify import outcome_of_result
 from harbor_hpc.results.record import Marker, RunPaths, RunRecord, load_run, read_markers
@@ -116,5 +116,11 @@ def export_run(run_dir: Path, out: Path, *, dry_run: bool = False) -> int:
     rollouts = collect_rollouts(run_dir)
     if not dry_run:
         text = "".join(json.dumps(line, default=str) + "\n" for line in rollouts)
-        atomic_write_text(out, text)
+        try:
+            atomic_write_text(out, text)
+        except OSError as exc:  # --out is a folder, or its folder cannot be written
+            raise InputError(
+                f"{out}: cannot write the rollouts ({exc.strerror})",
+                hint="give --out a file path in a folder you can write",
+            ) from None
     return len(rollouts)

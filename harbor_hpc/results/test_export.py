@@ -6,8 +6,10 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
 from harbor.models.agent.context import AgentContext
 
+from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import export_run
 from harbor_hpc.results.record import Marker, RunPaths, RunRecord, create_run, write_marker
 from harbor_hpc.results.test_classify import harbor_result
@@ -59,3 +61,14 @@ def test_one_line_per_finished_trial_with_tokens(tmp_path: Path) -> None:
     assert line["tokens"]["loss_masks"] == [[1, 1, 1]]
     assert line["tokens"]["logprobs"] == [[-0.1, -0.2, -0.3]]
     assert line["n_input_tokens"] == 10
+
+
+def test_an_unwritable_out_is_named_and_nothing_is_left(tmp_path: Path) -> None:
+    # --out naming a folder used to end in "internal error: IsADirectoryError".
+    run_dir = tmp_path / "run"
+    create_run(run_dir, RunRecord(str(tmp_path), [], "oracle", None, {}, "x:Y", {}, {}))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(HarborHpcError, match=r"out: cannot write the rollouts") as refused:
+        export_run(run_dir, tmp_path / "out")
+    assert refused.value.exit_code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no temporary file

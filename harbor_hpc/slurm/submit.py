@@ -283,7 +283,9 @@ def _launch(
     chunks = plan_chunks(
         runnable,
         tasks_per_job=int(options["tasks_per_job"]),
-        local_processes=options.get("array_parallelism") if executor == "local" else None,
+        # Local elements all start at once, so without --array-parallelism there is one
+        # process, as --help promises, not one process per task.
+        local_processes=(options.get("array_parallelism") or 1) if executor == "local" else None,
     )
     resources = (
         _resources(record, [tasks[unit.task] for unit in runnable], chunks, executor)

@@ -14,7 +14,13 @@ from harbor_hpc.slurm.resources import (
     parse_max_array_size,
 )
 from harbor_hpc.slurm.sample_tasks import make_task
-from harbor_hpc.slurm.submit import image_problem, parse_sbatch_args, plan_chunks
+from harbor_hpc.slurm.submit import (
+    SubmitOptions,
+    image_problem,
+    parse_sbatch_args,
+    plan_chunks,
+    submit_run,
+)
 from harbor_hpc.tasks.discovery import discover_tasks
 
 
@@ -68,3 +74,16 @@ def test_sbatch_args() -> None:
         "exclusive": True,
         "mail_type": "END",
     }
+
+
+def test_local_runs_default_to_one_process(tmp_path: Path) -> None:
+    # Without --array-parallelism, the local executor used to start one process per task at once.
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    for name in ("a", "b", "c"):
+        make_task(tmp_path / "t", name, image=str(sif))
+    options = SubmitOptions(agent="oracle", executor="local")
+    result = submit_run(tmp_path / "t", tmp_path / "run", options, dry_run=True)
+    assert len(result.units) == 3 and len(result.chunks) == 1
+    options.array_parallelism = 2
+    assert len(submit_run(tmp_path / "t", tmp_path / "run", options, dry_run=True).chunks) == 2
