@@ -85,7 +85,11 @@ def test_grower_is_killed_soon_after_crossing_with_small_overshoot() -> None:
     assert breach.threshold_bytes < breach.peak_bytes < 1.5 * breach.threshold_bytes
     assert elapsed < 15
     message = breach.describe()
-    assert "memory" in message and "400 MB" in message and f"{breach.peak_bytes // MB}" in message
+    assert (
+        "memory" in message
+        and "400 MB" in message
+        and f"{-(-breach.peak_bytes // MB)} MB" in message
+    )
 
 
 def test_stop_ends_the_thread_and_kills_nothing(sleeping_tree: subprocess.Popen[bytes]) -> None:
@@ -95,3 +99,9 @@ def test_stop_ends_the_thread_and_kills_nothing(sleeping_tree: subprocess.Popen[
     watchdog.stop()
     assert watchdog.breach is None
     assert sleeping_tree.poll() is None
+
+
+def test_a_peak_just_over_the_threshold_never_reads_as_equal() -> None:
+    threshold = int(512 * MB * 0.95)  # 486.4 MB
+    breach = MemoryBreach(peak_bytes=threshold + 1, threshold_bytes=threshold, limit_bytes=512 * MB)
+    assert "peak of 487 MB" in breach.describe() and "threshold of 486 MB" in breach.describe()

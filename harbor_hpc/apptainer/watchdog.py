@@ -36,9 +36,11 @@ class MemoryBreach:
     limit_bytes: int
 
     def describe(self) -> str:
+        # The peak rounds up and the threshold down, so a peak just over the threshold never
+        # reads as equal to it.
         return (
             f"memory limit exceeded: the container's processes reached a peak of "
-            f"{self.peak_bytes // MB} MB (PSS), over the kill threshold of "
+            f"{-(-self.peak_bytes // MB)} MB (PSS), over the kill threshold of "
             f"{self.threshold_bytes // MB} MB for the task's memory limit of "
             f"{self.limit_bytes // MB} MB"
         )
