@@ -73,6 +73,21 @@ ManifestOption = Annotated[
         "\\[config: manifest]",
     ),
 ]
+CacheDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--cache-dir",
+        help="The .sif store, shared by users and nodes. \\[default: $HARBOR_HPC_CACHE, else "
+        "cache_dir from the config, else ~/.cache/harbor-hpc/sif]",
+    ),
+]
+PartitionOption = Annotated[
+    str | None, typer.Option("--partition", "-p", help="Slurm partition. \\[config: partition]")
+]
+AccountOption = Annotated[
+    str | None, typer.Option("--account", help="Slurm account. \\[config: account]")
+]
+QosOption = Annotated[str | None, typer.Option("--qos", help="Slurm QOS. \\[config: qos]")]
 VerboseOption = Annotated[
     int, typer.Option("--verbose", "-v", count=True, help="More detail: -v info, -vv debug.")
 ]

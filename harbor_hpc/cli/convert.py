@@ -17,10 +17,14 @@ from harbor_hpc.apptainer.convert import (
 )
 from harbor_hpc.apptainer.store import default_cache_dir
 from harbor_hpc.cli.app import (
+    AccountOption,
+    CacheDirOption,
     DryRunOption,
     JobsOption,
     JsonOption,
     ManifestOption,
+    PartitionOption,
+    QosOption,
     VerboseOption,
     app,
     console,
@@ -39,14 +43,7 @@ SOURCES: tuple[SourceKind, ...] = ("registry", "docker-daemon")
 @app.command()
 def convert(
     manifest: ManifestOption = None,
-    cache_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--cache-dir",
-            help="The .sif store, shared by users and nodes. Default: $HARBOR_HPC_CACHE, "
-            "else cache_dir from the config, else ~/.cache/harbor-hpc/sif.",
-        ),
-    ] = None,
+    cache_dir: CacheDirOption = None,
     jobs: JobsOption = None,
     nohttps: Annotated[
         bool,
@@ -75,13 +72,9 @@ def convert(
             "in the store; waits for it.",
         ),
     ] = False,
-    partition: Annotated[
-        str | None, typer.Option("--partition", "-p", help="Slurm partition. \\[config: partition]")
-    ] = None,
-    account: Annotated[
-        str | None, typer.Option("--account", help="Slurm account. \\[config: account]")
-    ] = None,
-    qos: Annotated[str | None, typer.Option("--qos", help="Slurm QOS. \\[config: qos]")] = None,
+    partition: PartitionOption = None,
+    account: AccountOption = None,
+    qos: QosOption = None,
     time_min: Annotated[
         int | None,
         typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). \\[default: 60]"),

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from harbor_hpc.cli.app import JsonOption, VerboseOption, app, console, print_json, setup, stdout
+from harbor_hpc.cli.app import (
+    CacheDirOption,
+    JsonOption,
+    VerboseOption,
+    app,
+    console,
+    print_json,
+    setup,
+    stdout,
+)
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.doctor import (
     PART_TITLES,
@@ -33,14 +41,7 @@ def doctor(
             help="cluster: Apptainer + Slurm (login/compute nodes); build: Docker; all: both.",
         ),
     ] = Role.CLUSTER,
-    cache_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--cache-dir",
-            help="The .sif cache folder to check. Default: $HARBOR_HPC_CACHE, else cache_dir "
-            "from the config, else ~/.cache/harbor-hpc/sif.",
-        ),
-    ] = None,
+    cache_dir: CacheDirOption = None,
     json: JsonOption = False,
     verbose: VerboseOption = 0,
 ) -> None:

@@ -17,8 +17,12 @@ from rich.table import Table
 
 from harbor_hpc.apptainer.store import CACHE_ENV, default_cache_dir
 from harbor_hpc.cli.app import (
+    AccountOption,
+    CacheDirOption,
     DryRunOption,
     JsonOption,
+    PartitionOption,
+    QosOption,
     VerboseOption,
     app,
     console,
@@ -82,11 +86,9 @@ def submit(
             "\\[default: auto]",
         ),
     ] = None,
-    partition: Annotated[
-        str | None, typer.Option("--partition", "-p", help="Slurm partition.")
-    ] = None,
-    account: Annotated[str | None, typer.Option("--account", help="Slurm account.")] = None,
-    qos: Annotated[str | None, typer.Option("--qos", help="Slurm QOS.")] = None,
+    partition: PartitionOption = None,
+    account: AccountOption = None,
+    qos: QosOption = None,
     array_parallelism: Annotated[
         int | None,
         typer.Option(
@@ -111,12 +113,7 @@ def submit(
     attempts: Annotated[
         int, typer.Option("--attempts", min=1, help="Trials per task (pass@k, RL rollouts).")
     ] = 1,
-    cache_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--cache-dir", help="The .sif cache the environment uses. \\[default: config]"
-        ),
-    ] = None,
+    cache_dir: CacheDirOption = None,
     environment: Annotated[
         str,
         typer.Option(

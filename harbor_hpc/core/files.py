@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -23,26 +24,42 @@ from typing import Any
 from harbor_hpc.core.errors import HarborHpcError, InputError
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
-    """Replace `path` with `data` in one rename; keeps the old file's permissions unless `mode`."""
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path` for the block to fill; renamed over `path` when the block
+    ends, removed when it raises."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if mode is None:
-        try:
-            mode = path.stat().st_mode & 0o7777
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    """Replace `path` with `data` in one rename; keeps the old file's permissions unless `mode`."""
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o7777
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+    with _replacing(path) as tmp, open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+
+
+def atomic_copy(source: Path, path: Path) -> None:
+    """Replace `path` with a copy of `source`, streamed (files can be gigabytes), in one rename;
+    the copy gets the permissions of any new file (the user's umask)."""
+    with _replacing(path) as tmp:
+        shutil.copyfile(source, tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
 
 
 def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:

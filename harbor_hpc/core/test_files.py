@@ -62,8 +62,9 @@ def test_lock_times_out_naming_holder_and_dies_with_holder(tmp_path: Path) -> No
         file_lock(lock, timeout=0.3),
     ):
         pass
-    ready = multiprocessing.get_context("fork").Event()
-    proc = multiprocessing.get_context("fork").Process(target=_hold_lock, args=(str(lock), ready))
+    spawn = multiprocessing.get_context("spawn")  # fork is unsafe once threads run
+    ready = spawn.Event()
+    proc = spawn.Process(target=_hold_lock, args=(str(lock), ready))
     proc.start()
     proc.join(10)
     assert ready.is_set() and proc.exitcode == -9

@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.files import atomic_write_json, file_lock, read_json
+from harbor_hpc.core.files import atomic_copy, atomic_write_json, file_lock, read_json
 from harbor_hpc.fetch.unpack import unpack
 
 log = logging.getLogger(__name__)
@@ -126,17 +126,7 @@ class Destination:
                 hint="move the folder away and fetch again",
             )
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Streamed, not core.files.atomic_write_bytes: a repository file can be gigabytes. This
-        # run holds the destination's lock, so a name of its own cannot collide; copyfile
-        # creates it with the user's umask, like any new file.
-        tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
-        try:
-            shutil.copyfile(source, tmp)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        atomic_copy(source, target)
         return True
 
     def unpack_archive(self, repo_path: str, source: Path, sha256: str) -> list[str]:
