@@ -76,7 +76,6 @@ class Server:
         self.inbuf = b""
         self.jobs = {}
         self.by_pid = {}
-        self.orphan_fds = set()
         self.warm = []
         self.running = True
 

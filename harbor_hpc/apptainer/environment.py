@@ -243,18 +243,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"task {self.environment_name}: task.toml sets no [environment] docker_image; "
                 "set it to a .sif path or a registry reference (harbor-hpc rewrite does this)"
             )
-        if "://" not in image and image.endswith(".sif"):
-            path = Path(image).expanduser()
-            if not path.is_absolute() and (self.environment_dir / path).is_file():
-                path = self.environment_dir / path
+        from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif, sif_file
+
+        path = sif_file(image, self.environment_dir)
+        if path is not None:
             if not path.is_file():
                 raise ImageUnavailable(
                     f"task {self.environment_name}: the image {image} does not exist; "
                     "convert the dataset's images first (harbor-hpc convert) or fix docker_image"
                 )
             return path
-        from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif
-
         cache_dir = self._cache_dir or default_cache_dir(None)
         try:
             return await asyncio.to_thread(

@@ -59,13 +59,16 @@ _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def default_cache_dir(config_value: str | None) -> Path:
-    """Where .sif files live: `$HARBOR_HPC_CACHE`, else the config's `cache_dir`, else
-    `~/.cache/harbor-hpc/sif`. A `--cache-dir` flag, where a command has one, wins over all."""
+def chosen_cache_dir(config_value: str | None) -> Path | None:
+    """The store the user chose: `$HARBOR_HPC_CACHE`, else the config's `cache_dir`, else None.
+    A `--cache-dir` flag, where a command has one, wins over both."""
     chosen = os.environ.get(CACHE_ENV) or config_value
-    if chosen:
-        return Path(chosen).expanduser()
-    return Path.home() / ".cache" / "harbor-hpc" / "sif"
+    return Path(chosen).expanduser() if chosen else None
+
+
+def default_cache_dir(config_value: str | None) -> Path:
+    """Where .sif files live: the chosen store, else `~/.cache/harbor-hpc/sif`."""
+    return chosen_cache_dir(config_value) or Path.home() / ".cache" / "harbor-hpc" / "sif"
 
 
 def nohttps_default() -> bool:
@@ -168,6 +171,19 @@ def sif_path_for(source: str, cache_dir: Path, *, nohttps: bool | None = None) -
 
 def _is_sif_path(source: str) -> bool:
     return "://" not in source and source.endswith(".sif")
+
+
+def sif_file(image: str, task_environment: Path) -> Path | None:
+    """The .sif file a task's `docker_image` names, or None when it is a registry reference.
+
+    A relative name is the task's own (under its environment/ folder) when such a file exists.
+    """
+    if not _is_sif_path(image):
+        return None
+    path = Path(image).expanduser()
+    if not path.is_absolute() and (task_environment / path).is_file():
+        return task_environment / path
+    return path
 
 
 def is_ready(sif: Path) -> bool:

@@ -17,6 +17,7 @@ from harbor_hpc.apptainer.store import (
     default_cache_dir,
     ensure_sif,
     is_ready,
+    sif_file,
     sif_path_for,
 )
 from harbor_hpc.core.errors import HarborHpcError, InputError
@@ -286,3 +287,14 @@ def test_killed_converter_leaves_nothing_that_looks_finished(
 
 def _files(folder: Path) -> list[Path]:
     return list(folder.iterdir()) if folder.exists() else []
+
+
+def test_sif_file_names_a_task_s_own_sif_or_nothing_for_a_reference(tmp_path: Path) -> None:
+    environment = tmp_path / "environment"
+    environment.mkdir()
+    (environment / "own.sif").write_bytes(b"")
+    assert sif_file("own.sif", environment) == environment / "own.sif"
+    assert sif_file("/abs/x.sif", environment) == Path("/abs/x.sif")
+    assert sif_file("elsewhere.sif", environment) == Path("elsewhere.sif")
+    assert sif_file("localhost:5000/ns/env@sha256:" + "0" * 64, environment) is None
+    assert sif_file("docker-archive://img.sif", environment) is None

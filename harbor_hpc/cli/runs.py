@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -15,7 +14,7 @@ from rich.markup import escape
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from harbor_hpc.apptainer.store import CACHE_ENV, default_cache_dir
+from harbor_hpc.apptainer.store import chosen_cache_dir
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -161,11 +160,10 @@ def submit(
     """
     config = setup(verbose)
     env_kwargs = parse_key_values(environment_kwarg or [], "--environment-kwarg")
-    # The store `convert` and `doctor` use: --cache-dir, else $HARBOR_HPC_CACHE, else the
-    # config's (the config used to win over $HARBOR_HPC_CACHE here, so trials converted their
-    # images again into another store than the one `convert` filled).
-    if cache_dir or os.environ.get(CACHE_ENV) or config.values.get("cache_dir"):
-        store = cache_dir or default_cache_dir(config.values.get("cache_dir"))
+    # The store `convert` and `doctor` use; when none is chosen the environment picks its
+    # default on the node that runs the trial.
+    store = cache_dir or chosen_cache_dir(config.values.get("cache_dir"))
+    if store is not None:
         # the kwarg name both our environment and Harbor's own take
         env_kwargs.setdefault("singularity_image_cache_dir", str(store.expanduser().absolute()))
     options = SubmitOptions(

@@ -26,16 +26,6 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
 )
 
-FAILURE_CLASSES = (
-    "image",
-    "setup",
-    "memory",
-    "timeout",
-    "verifier",
-    "agent",
-    "infrastructure",
-)
-
 _CLASS_OF_EXCEPTION: dict[str, str] = {
     # our environment's (harbor_hpc.apptainer.errors)
     ImageUnavailable.__name__: "image",

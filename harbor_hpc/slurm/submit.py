@@ -19,6 +19,7 @@ from typing import Any
 
 import submitit
 
+from harbor_hpc.apptainer.store import sif_file
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.results.record import (
     Chunk,
@@ -158,7 +159,8 @@ def image_problem(task: Task) -> str | None:
             f"{task.task_toml}: no environment.docker_image "
             "(run `harbor-hpc convert` and `harbor-hpc rewrite` first)"
         )
-    if image.endswith(".sif") and not Path(image).is_file():
+    sif = sif_file(image, task.environment_dir)
+    if sif is not None and not sif.is_file():
         return f"{task.task_toml}: docker_image {image} does not exist (run `harbor-hpc convert`)"
     return None
 
