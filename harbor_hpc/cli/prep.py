@@ -88,7 +88,8 @@ def build(
     if not target:
         raise InputError("no registry given", hint="pass --registry REGISTRY/NAMESPACE")
     manifest_file = manifest_path(manifest)
-    plan = plan_build(tasks_dir, target, jobs=config.pick("jobs", jobs, 2))
+    workers = config.pick("jobs", jobs, 2)
+    plan = plan_build(tasks_dir, target, jobs=workers)
     if dry_run:
         recorded = load_manifest(manifest_file) if manifest_file.exists() else None
         _show_plan(plan, recorded, json_output)
@@ -106,7 +107,7 @@ def build(
             plan,
             manifest_file,
             push=not no_push,
-            jobs=config.pick("jobs", jobs, 2),
+            jobs=workers,
             nohttps=config.pick("nohttps", None, False),
             on_progress=on_progress,
             on_done=on_done,
