@@ -39,7 +39,7 @@ from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif
+from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import (
     MemoryWatchdog,
     kill_processes,
@@ -47,6 +47,7 @@ from harbor_hpc.apptainer.watchdog import (
     tree_pss_bytes,
     wait_gone,
 )
+from harbor_hpc.core.config import cache_dir as default_store
 
 IMAGE = "harbor-hpc-bench/harbor-server:1"
 # Harbor's environment starts Apptainer with `--pwd /app`, which must exist in the image.
@@ -90,7 +91,7 @@ def server_sif(args: argparse.Namespace) -> Path | None:
     if not args.base or not args.wheels:
         print("set HARBOR_HPC_TEST_BASE_IMAGE and HARBOR_HPC_TEST_WHEELS (or --base/--wheels)")
         return None
-    cache_dir = args.cache_dir or default_cache_dir(None)
+    cache_dir = default_store(args.cache_dir)
     print(f"building {IMAGE} and its .sif in {cache_dir} ...", flush=True)
     build_image(args.base, args.wheels)
     return ensure_sif(f"docker-daemon://{IMAGE}", cache_dir)

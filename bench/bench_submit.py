@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench_environment import add_image_arguments, server_sif
 
-from harbor_hpc.slurm.sample_tasks import make_task
+from tests.support.sample_tasks import make_task
 
 HARBOR_ENVIRONMENT = "harbor.environments.singularity:SingularityEnvironment"
 
@@ -60,7 +60,7 @@ def ours(
     return elapsed, rewards
 
 
-def theirs(tasks: Path, work: Path, concurrency: int) -> tuple[float, list[float]]:
+def theirs(tasks: Path, work: Path, concurrency: int) -> tuple[float, list[float | None]]:
     jobs_dir = work / "harbor-jobs"
     harbor = str(Path(sys.executable).with_name("harbor"))
     elapsed = run(

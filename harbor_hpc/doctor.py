@@ -17,9 +17,7 @@ import logging
 import os
 import platform
 import pwd
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -39,10 +37,10 @@ from harbor_hpc.apptainer.runtime import (
     find_apptainer,
     remove_private_dir,
 )
-from harbor_hpc.apptainer.store import default_cache_dir
-from harbor_hpc.core.config import load_config
+from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import file_lock
+from harbor_hpc.core.proc import Ran, run
 
 log = logging.getLogger(__name__)
 
@@ -143,18 +141,12 @@ class Report:
 
 
 def resolve_cache_dir(flag: Path | None) -> Path:
-    """`--cache-dir`, else the folder the .sif store uses (`$HARBOR_HPC_CACHE`, the config's
-    cache_dir, `~/.cache/harbor-hpc/sif`).
-
-    A broken config file does not stop the doctor: it is ignored here, and the CLI reports it.
-    """
-    if flag is not None:
-        return flag.expanduser()
+    """The store the user chose, as every command resolves it; a broken config file does not
+    stop the doctor: it is ignored here, and the CLI reports it."""
     try:
-        configured = load_config().values.get("cache_dir")
+        return cache_dir(flag)
     except HarborHpcError:
-        configured = None
-    return default_cache_dir(configured)
+        return cache_dir(flag, Config())
 
 
 def run_doctor(role: Role = Role.CLUSTER, cache_dir: Path | None = None) -> Report:
@@ -198,52 +190,6 @@ def probe_part(part: Part, cache_dir: Path) -> list[Check]:
         return [
             Check(part, "probe", status, f"the check itself failed: {type(exc).__name__}: {exc}")
         ]
-
-
-@dataclass(frozen=True)
-class Ran:
-    """A finished command: exit code and output, or `error` when it could not run to the end."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error and self.returncode == 0
-
-    def why(self) -> str:
-        """The last meaningful line of what went wrong, for a table cell."""
-        if self.error:
-            return self.error
-        text = _ANSI_ESCAPE.sub("", self.stderr or self.stdout)
-        lines = [line.strip() for line in text.splitlines()]
-        lines = [line for line in lines if line]
-        return lines[-1] if lines else f"exit code {self.returncode}"
-
-
-# Apptainer colours its errors even when they go to a pipe.
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def run(command: list[str], timeout: float = QUICK_TIMEOUT) -> Ran:
-    log.info("$ %s", " ".join(command))
-    try:
-        done = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return Ran(-1, "", "", f"`{' '.join(command)}` did not answer within {timeout:g} s")
-    except OSError as exc:
-        return Ran(-1, "", "", f"cannot run {command[0]}: {exc.strerror or exc}")
-    log.debug("exit %s\n%s%s", done.returncode, done.stdout, done.stderr)
-    return Ran(done.returncode, done.stdout, done.stderr)
 
 
 def current_user() -> str:
@@ -514,7 +460,7 @@ def _task_container_check(binary: str, image: Path) -> Check:
 
 
 def _exec(binary: str, image: Path, flags: tuple[str, ...], script: str = "true") -> Ran:
-    return run([binary, "exec", *flags, str(image), "/bin/sh", "-c", script], EXEC_TIMEOUT)
+    return run([binary, "exec", *flags, str(image), "/bin/sh", "-c", script], timeout=EXEC_TIMEOUT)
 
 
 @contextmanager
@@ -543,7 +489,7 @@ def _build_probe_image(binary: str, target: Path) -> None:
         rootfs = Path(scratch) / "rootfs"
         _make_rootfs(rootfs)
         partial = Path(scratch) / "probe.sif"
-        built = run([binary, "build", "--force", str(partial), str(rootfs)], BUILD_TIMEOUT)
+        built = run([binary, "build", "--force", str(partial), str(rootfs)], timeout=BUILD_TIMEOUT)
         if not built.ok:
             raise HarborHpcError(
                 f"could not build a tiny test image: {built.why()}",

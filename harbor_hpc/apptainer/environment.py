@@ -270,7 +270,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"task {self.environment_name}: task.toml sets no [environment] docker_image; "
                 "set it to a .sif path or a registry reference (harbor-hpc rewrite does this)"
             )
-        from harbor_hpc.apptainer.store import default_cache_dir, ensure_sif, sif_file
+        from harbor_hpc.apptainer.store import ensure_sif, sif_file
+        from harbor_hpc.core.config import cache_dir as default_store
 
         path = sif_file(image, self.environment_dir)
         if path is not None:
@@ -280,7 +281,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                     "convert the dataset's images first (harbor-hpc convert) or fix docker_image"
                 )
             return path
-        cache_dir = self._cache_dir or default_cache_dir(None)
+        cache_dir = default_store(self._cache_dir)
         try:
             return await asyncio.to_thread(
                 ensure_sif, image, cache_dir, nohttps=self._nohttps, force=force

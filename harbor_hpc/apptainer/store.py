@@ -53,22 +53,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "HARBOR_HPC_CACHE"
 DOCKER_HUB = "registry-1.docker.io"
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TRUE = {"1", "true", "yes", "on"}
-
-
-def chosen_cache_dir(config_value: str | None) -> Path | None:
-    """The store the user chose: `$HARBOR_HPC_CACHE`, else the config's `cache_dir`, else None.
-    A `--cache-dir` flag, where a command has one, wins over both."""
-    chosen = os.environ.get(CACHE_ENV) or config_value
-    return Path(chosen).expanduser() if chosen else None
-
-
-def default_cache_dir(config_value: str | None) -> Path:
-    """Where .sif files live: the chosen store, else `~/.cache/harbor-hpc/sif`."""
-    return chosen_cache_dir(config_value) or Path.home() / ".cache" / "harbor-hpc" / "sif"
 
 
 def nohttps_default() -> bool:

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from harbor_hpc.apptainer.store import default_cache_dir
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -28,6 +27,7 @@ from harbor_hpc.cli.app import (
     setup,
     stdout,
 )
+from harbor_hpc.core.config import cache_dir as default_store
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm.convert import (
     ImageConversion,
@@ -104,7 +104,7 @@ def convert(
             "--source docker-daemon reads this machine's Docker, which compute nodes lack",
             hint="push the images (`harbor-hpc build`) and convert from the registry with --slurm",
         )
-    store = cache_dir or default_cache_dir(config.values.get("cache_dir"))
+    store = default_store(cache_dir, config)
     use_http = True if nohttps else config.pick("nohttps", None, None)
     kind: SourceKind = "docker-daemon" if source == "docker-daemon" else "registry"
     planned = plan_conversions(manifest_file, store, source=kind, nohttps=use_http, force=force)

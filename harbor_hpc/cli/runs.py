@@ -15,7 +15,6 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, environment_class
-from harbor_hpc.apptainer.store import chosen_cache_dir
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -32,6 +31,7 @@ from harbor_hpc.cli.app import (
     stdout,
     warn,
 )
+from harbor_hpc.core.config import chosen_cache_dir
 from harbor_hpc.results.export import export_run
 from harbor_hpc.results.status import AttemptStatus, Summary, attempt_statuses, summarize
 from harbor_hpc.slurm.submit import (
@@ -177,7 +177,7 @@ def submit(
     # The store `convert` and `doctor` use; when none is chosen the environment picks its
     # default on the node that runs the trial. Chosen by $HARBOR_HPC_CACHE or the config rather
     # than by --cache-dir, it goes only to an environment that takes it.
-    store = cache_dir or chosen_cache_dir(config.values.get("cache_dir"))
+    store = chosen_cache_dir(cache_dir, config)
     cache_kwarg = "singularity_image_cache_dir"  # the name our environment and Harbor's take
     if store is not None and (
         cache_dir is not None

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 from harbor_hpc.core.errors import InputError
 
 # Every key a config file may set, with the type its value must have.
+CACHE_ENV = "HARBOR_HPC_CACHE"
+
 KNOWN_KEYS: dict[str, type] = {
     "registry": str,
     "manifest": str,
@@ -87,3 +89,19 @@ def _parse(path: Path) -> dict[str, Any]:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise InputError(f"{path}: {key} must be a {expected.__name__}, not {value!r}")
     return data
+
+
+def chosen_cache_dir(flag: Path | None = None, config: Config | None = None) -> Path | None:
+    """The .sif store the user chose: `--cache-dir`, else `$HARBOR_HPC_CACHE`, else the config
+    file's `cache_dir` (read here when `config` is not given), else None."""
+    if flag is not None:
+        return flag.expanduser()
+    if config is None:
+        config = load_config()
+    chosen = os.environ.get(CACHE_ENV) or config.values.get("cache_dir")
+    return Path(chosen).expanduser() if chosen else None
+
+
+def cache_dir(flag: Path | None = None, config: Config | None = None) -> Path:
+    """Where .sif files live: the store the user chose, else `~/.cache/harbor-hpc/sif`."""
+    return chosen_cache_dir(flag, config) or Path.home() / ".cache" / "harbor-hpc" / "sif"

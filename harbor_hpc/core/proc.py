@@ -1,0 +1,75 @@
+"""Running external tools (apptainer, sbatch, squeue, docker...): one way, always bounded in time.
+
+`run` never raises for a tool that is missing, hangs or fails: it returns a `Ran` that says so,
+and `Ran.why()` gives the one line a message or a table cell needs. Callers that must stop on a
+failure turn that line into a `HarborHpcError` naming what they were doing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# Long enough for a busy login node; short enough that a hung tool never hangs a command.
+QUICK_TIMEOUT_S = 10.0
+
+# Apptainer colours its errors even when they go to a pipe.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A finished command: exit code and output, or `error` when it could not run to the end."""
+
+    command: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.returncode == 0
+
+    def why(self) -> str:
+        """The last meaningful line of what went wrong."""
+        if self.error:
+            return self.error
+        text = _ANSI_ESCAPE.sub("", self.stderr or self.stdout)
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else f"exit code {self.returncode}"
+
+
+def run(
+    command: list[str],
+    *,
+    timeout: float = QUICK_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    input: str | None = None,
+) -> Ran:
+    """Run `command` to its end or to `timeout` seconds, capturing its output as text."""
+    log.info("$ %s", " ".join(command))
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=None if env is None else dict(env),
+            input=input,
+            stdin=None if input is not None else subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        return Ran(
+            tuple(command), -1, "", "", f"`{command[0]}` did not answer within {timeout:g} s"
+        )
+    except OSError as exc:
+        return Ran(tuple(command), -1, "", "", f"cannot run {command[0]}: {exc.strerror or exc}")
+    log.debug("exit %s\n%s%s", done.returncode, done.stdout, done.stderr)
+    return Ran(tuple(command), done.returncode, done.stdout, done.stderr)

@@ -1,0 +1,576 @@
+"""The environment on the real Apptainer: oracle trials through Harbor's CLI, and its promises.
+
+The session's .sif of the test base image (python3, `debian_sif`) is shared; the image
+without python3 comes through the test registry as a reference, which also exercises the
+conversion into the .sif store and the bash server. Both live in a world-readable folder
+so that the other local user can run them too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
+from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
+from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.apptainer.watchdog import process_tree
+from tests.support.users import other_user_command
+
+HARBOR = str(Path(sys.executable).parent / "harbor")
+ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
+REWARD_TEST = """\
+#!/bin/bash
+if [ "$(cat /app/answer.txt)" = "{expected}" ]; then echo 1; else echo 0; fi \\
+    > /logs/verifier/reward.txt
+"""
+
+
+# -- units that need no container ------------------------------------------------
+
+
+def test_exported_by_setup_keeps_new_and_changed_variables() -> None:
+    before = b"PATH=/usr/bin\0HOME=/root\0SHLVL=1\0KEEP=same\0"
+    after = b"PATH=/opt/venv/bin:/usr/bin\0HOME=/root\0SHLVL=2\0KEEP=same\0NEW=a=b\nc\0"
+    assert exported_by_setup(before, after) == {
+        "PATH": "/opt/venv/bin:/usr/bin",
+        "NEW": "a=b\nc",
+    }
+
+
+def make_environment(
+    image: str, folder: Path, env_dir: Path | None = None, **kwargs: Any
+) -> SingularityEnvironment:
+    trial_paths = TrialPaths(folder / "trial")
+    trial_paths.mkdir()
+    return SingularityEnvironment(
+        environment_dir=env_dir or folder,
+        environment_name="unit",
+        session_id="unit__env",
+        trial_paths=trial_paths,
+        task_env_config=EnvironmentConfig(docker_image=image, memory_mb=kwargs.pop("mb", None)),
+        logger=logging.getLogger("test"),
+        **kwargs,
+    )
+
+
+def test_missing_sif_is_image_unavailable(tmp_path: Path) -> None:
+    environment = make_environment(str(tmp_path / "gone.sif"), tmp_path)
+    with pytest.raises(ImageUnavailable, match=r"gone\.sif does not exist"):
+        asyncio.run(environment.start(force_build=False))
+
+
+def test_preflight_names_the_missing_apptainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_apptainer.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("HARBOR_HPC_APPTAINER", raising=False)
+    try:
+        with pytest.raises(SystemExit, match="neither apptainer nor singularity"):
+            SingularityEnvironment.preflight()
+    finally:
+        find_apptainer.cache_clear()
+
+
+def test_workdir_kwarg_wins(tmp_path: Path) -> None:
+    assert make_environment("x.sif", tmp_path, workdir="/w").workdir == "/w"
+
+
+# -- shared images ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def nopython_ref() -> Iterator[str]:
+    """The image without python3, pushed to the open test registry under a fresh tag."""
+    import docker
+
+    client = docker.from_env()
+    image = client.images.get(
+        os.environ.get("HARBOR_HPC_TEST_NOPY_IMAGE", "local/debian-nopython:bookworm")
+    )
+    repository = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/harbor-hpc-test/nopython"
+    tag = uuid.uuid4().hex[:12]
+    image.tag(repository, tag=tag)
+    for line in client.images.push(repository, tag=tag, stream=True, decode=True):
+        if "error" in line:
+            raise RuntimeError(line["error"])
+    yield f"{repository}:{tag}"
+    client.images.remove(f"{repository}:{tag}")
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def sif_store(shared_dir: Path) -> Path:
+    store = shared_dir / "store"
+    store.mkdir(mode=0o755)
+    return store
+
+
+@pytest.fixture(scope="session")
+def nopython_sif(nopython_ref: str, sif_store: Path) -> Path:
+    sif = ensure_sif(nopython_ref, sif_store, nohttps=True)
+    sif.chmod(0o755)
+    return sif
+
+
+# -- tasks and trials through Harbor's CLI ---------------------------------------
+
+
+def make_task(
+    root: Path,
+    image: str,
+    solve: str,
+    *,
+    expected: str = "42",
+    memory_mb: int | None = None,
+    files: dict[str, str] | None = None,
+) -> Path:
+    task = root / f"task-{uuid.uuid4().hex[:8]}"
+    for sub in ("environment", "solution", "tests"):
+        (task / sub).mkdir(parents=True)
+    memory = f"memory_mb = {memory_mb}\n" if memory_mb else ""
+    (task / "task.toml").write_text(
+        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
+        f'[environment]\ndocker_image = "{image}"\nworkdir = "/app"\n{memory}'
+    )
+    (task / "instruction.md").write_text("Write the answer to /app/answer.txt.\n")
+    (task / "environment" / "Dockerfile").write_text("FROM scratch\nWORKDIR /app\n")
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
+    (task / "tests" / "test.sh").write_text(REWARD_TEST.format(expected=expected))
+    for name, text in (files or {}).items():
+        path = task / "environment" / "files" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return task
+
+
+def run_trial(task: Path, trials: Path, *kwargs: str) -> dict[str, Any]:
+    command = [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", ENVIRONMENT]
+    for kwarg in kwargs:
+        command += ["--environment-kwarg", kwarg]
+    command += ["--trials-dir", str(trials)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    results = list(trials.glob(f"{task.name}__*/result.json"))
+    assert results, f"no result.json:\n{finished.stdout}\n{finished.stderr}"
+    result: dict[str, Any] = json.loads(results[0].read_text())
+    return result
+
+
+def reward(result: dict[str, Any]) -> float | None:
+    verifier = result.get("verifier_result") or {}
+    value = (verifier.get("rewards") or {}).get("reward")
+    return None if value is None else float(value)
+
+
+def still_running(pids: list[int]) -> list[str]:
+    """The pids that still run, with who holds them (a zombie is dead, waiting to be reaped)."""
+    running = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                running.append(f"{pid} {process.name()} (parent {process.ppid()})")
+    return running
+
+
+def host_pid(root: int, container_pid: int) -> int:
+    """The host pid of the process that is `container_pid` in the container's pid namespace."""
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == str(container_pid):
+                    return pid
+    raise AssertionError(f"no process {container_pid} in the container under {root}")
+
+
+def leftover_processes(sif: Path) -> list[str]:
+    """Apptainer processes of this test's image still running, and stray FUSE helpers."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if str(sif) in cmdline:
+            found.append(f"{process.pid}: {cmdline}")
+    return found
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_oracle_plain_task(debian_sif: Path, tmp_path: Path) -> None:
+    task = make_task(tmp_path, str(debian_sif), "echo 42 > answer.txt\n")
+    result = run_trial(task, tmp_path / "trials")
+    assert result["exception_info"] is None
+    assert reward(result) == 1.0
+    # Root in the container, but what the trial left on the host is the user's.
+    trial = next((tmp_path / "trials").glob(f"{task.name}__*"))
+    assert {path.stat().st_uid for path in trial.rglob("*")} == {os.getuid()}
+    assert not leftover_processes(debian_sif)
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_oracle_with_environment_files_and_setup_script(debian_sif: Path, tmp_path: Path) -> None:
+    setup = 'cp "$HARBOR_STAGING/seed.txt" /opt/seed.txt\nexport SEED_FILE=/opt/seed.txt\n'
+    solve = '[ "$HARBOR_STAGING" = /staging/env_files ] && cat "$SEED_FILE" > answer.txt\n'
+    task = make_task(
+        tmp_path,
+        str(debian_sif),
+        solve,
+        expected="seeded value",
+        files={"setup.sh": setup, "seed.txt": "seeded value\n"},
+    )
+    result = run_trial(task, tmp_path / "trials")
+    assert result["exception_info"] is None
+    assert reward(result) == 1.0
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_failing_setup_script_fails_the_trial(debian_sif: Path, tmp_path: Path) -> None:
+    setup = "echo 'cannot find the dataset' >&2\nexit 3\n"
+    task = make_task(tmp_path, str(debian_sif), "echo 42 > answer.txt\n", files={"setup.sh": setup})
+    result = run_trial(task, tmp_path / "trials")
+    info = result["exception_info"]
+    assert info["exception_type"] == SetupScriptFailed.__name__
+    assert "exited with 3" in info["exception_message"]
+    assert "cannot find the dataset" in info["exception_message"]
+    assert reward(result) is None
+
+
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_oracle_from_registry_reference_without_python(
+    nopython_ref: str, sif_store: Path, tmp_path: Path
+) -> None:
+    task = make_task(tmp_path, nopython_ref, "echo 42 > answer.txt\n")
+    result = run_trial(
+        task,
+        tmp_path / "trials",
+        f"singularity_image_cache_dir={sif_store}",
+        "nohttps=true",
+    )
+    assert result["exception_info"] is None
+    assert reward(result) == 1.0
+    assert list(sif_store.glob("*.sif"))  # converted into the store, which stop keeps
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_memory_hog_is_killed_and_reported(debian_sif: Path, tmp_path: Path) -> None:
+    hog = """\
+    python3 -c '
+    chunks = []
+    for _ in range(150):
+        chunks.append(b"x" * (20 << 20))
+    print("survived")
+    '
+    echo 42 > answer.txt
+    """
+    task = make_task(tmp_path, str(debian_sif), hog, memory_mb=512)
+    result = run_trial(task, tmp_path / "trials")
+    info = result["exception_info"]
+    assert info["exception_type"] == "MemoryLimitExceeded"
+    message = info["exception_message"]
+    assert "memory" in message and "512 MB" in message and "486 MB" in message
+    peak = int(message.split("peak of ")[1].split(" MB")[0])
+    assert 486 < peak < 486 * 1.5
+    assert not leftover_processes(debian_sif)
+
+
+# -- the environment's promises, driven directly ---------------------------------
+
+
+@asynccontextmanager
+async def started(
+    image: Path, folder: Path, **kwargs: Any
+) -> AsyncIterator[SingularityEnvironment]:
+    environment = make_environment(str(image), folder, **kwargs)
+    await environment.start(force_build=False)
+    try:
+        yield environment
+    finally:
+        await environment.stop(delete=True)
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    "image", ["debian_sif", pytest.param("nopython_sif", marks=pytest.mark.registry)]
+)
+def test_exec_fidelity(image: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    sif: Path = request.getfixturevalue(image)
+
+    async def main() -> None:
+        async with started(sif, tmp_path) as environment:
+            result = await environment.exec(
+                "printf '  out\\n\\n'; printf ' err \\t\\n' >&2; exit 7"
+            )
+            assert (result.stdout, result.stderr, result.return_code) == (
+                "  out\n\n",
+                " err \t\n",
+                7,
+            )
+            big = await environment.exec("head -c 1000000 /dev/zero | tr '\\0' 'a'; echo")
+            assert big.stdout == "a" * 1_000_000 + "\n"
+            where = await environment.exec(
+                "pwd; echo $GREETING", cwd="/tmp", env={"GREETING": "a b"}
+            )
+            assert where.stdout == "/tmp\na b\n"
+            assert (await environment.exec("pwd")).stdout == "/\n"  # the image has no WORKDIR
+            with pytest.raises(RuntimeError, match="timed out after 1 seconds"):
+                await environment.exec("sleep 30 & echo $! > /tmp/bg; wait", timeout_sec=1)
+            # The background sleep died with its group (a zombie until someone reaps it).
+            state = await environment.exec(
+                "for i in $(seq 20); do set -- $(cat /proc/$(cat /tmp/bg)/stat 2>/dev/null);"
+                ' case "${3:-gone}" in gone|Z) break;; esac; sleep 0.1; done; echo "${3:-gone}"'
+            )
+            assert state.stdout in ("gone\n", "Z\n")
+            as_root = await environment.exec("id -u", user="root")
+            assert as_root.return_code == 0
+            streamed: dict[str, list[str]] = {"stdout": [], "stderr": []}
+
+            async def collect(text: str, stream: str) -> None:
+                streamed[stream].append(text)
+
+            with environment.scoped_output_callback(collect):
+                shown = await environment.exec("echo één; echo twee >&2; echo drie")
+            assert "".join(streamed["stdout"]) == shown.stdout == "één\ndrie\n"
+            assert "".join(streamed["stderr"]) == shown.stderr == "twee\n"
+
+    asyncio.run(main())
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_files_round_trip_with_spaces_and_a_large_file(debian_sif: Path, tmp_path: Path) -> None:
+    source = tmp_path / "my folder"
+    (source / "sub dir").mkdir(parents=True)
+    (source / "sub dir" / "a file.txt").write_text("inside\n")
+    large = source / "large file.bin"
+    large.write_bytes(os.urandom(1 << 20) * 40)
+
+    async def main() -> None:
+        async with started(debian_sif, tmp_path / "env") as environment:
+            await environment.upload_file(large, "/data dir/copy of large.bin")
+            await environment.upload_dir(source, "/up loaded")
+            listing = await environment.exec("cat '/up loaded/sub dir/a file.txt'")
+            assert listing.stdout == "inside\n"
+            await environment.download_file("/data dir/copy of large.bin", tmp_path / "back.bin")
+            await environment.download_dir("/up loaded", tmp_path / "back dir")
+
+    asyncio.run(main())
+    assert (tmp_path / "back.bin").read_bytes() == large.read_bytes()
+    assert (tmp_path / "back dir" / "sub dir" / "a file.txt").read_text() == "inside\n"
+    assert (tmp_path / "back dir" / "large file.bin").read_bytes() == large.read_bytes()
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    "image", ["debian_sif", pytest.param("nopython_sif", marks=pytest.mark.registry)]
+)
+def test_nothing_left_after_stop(
+    image: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    sif: Path = request.getfixturevalue(image)
+
+    async def main() -> tuple[list[int], Path]:
+        environment = make_environment(str(sif), tmp_path)
+        await environment.start(force_build=False)
+        # A daemon that double-forks out of the script's session and process tree.
+        spawn = "(setsid sleep 600 >/dev/null 2>&1 </dev/null & echo $! > /tmp/daemon.pid)"
+        await environment.exec(spawn)
+        assert environment.process_pid is not None and environment.staging_host_dir is not None
+        daemon = host_pid(
+            environment.process_pid, int((await environment.exec("cat /tmp/daemon.pid")).stdout)
+        )
+        tree = process_tree(environment.process_pid)
+        staging = environment.staging_host_dir
+        names = set()
+        for pid in tree:  # a warm shell may end and be replaced while we look
+            with contextlib.suppress(psutil.NoSuchProcess):
+                names.add(psutil.Process(pid).name())
+        assert {"squashfuse_ll", "fuse-overlayfs"} <= names, names
+        await environment.stop(delete=True)
+        return [*tree, daemon], staging
+
+    pids, staging = asyncio.run(main())
+    assert still_running(pids) == []
+    assert not staging.parent.exists()
+    assert sif.exists()
+
+
+HOST_THAT_DIES = """
+import asyncio, json, logging, os, signal, sys
+from pathlib import Path
+from harbor_hpc.apptainer.watchdog import process_tree
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+
+async def main():
+    folder = Path(sys.argv[2])
+    paths = TrialPaths(folder / "trial")
+    paths.mkdir()
+    (folder / "environment").mkdir()
+    environment = SingularityEnvironment(
+        environment_dir=folder / "environment", environment_name="crash", session_id="crash__env",
+        trial_paths=paths, task_env_config=EnvironmentConfig(docker_image=sys.argv[1]),
+        logger=logging.getLogger("crash"), scratch_dir=folder / "scratch",
+    )
+    await environment.start(force_build=False)
+    await environment.exec("(setsid sleep 600 >/dev/null 2>&1 </dev/null & echo $! > /tmp/d)")
+    inside = (await environment.exec("cat /tmp/d")).stdout.strip()
+    def container_pid(pid):  # the container has a pid namespace of its own
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return [line.split()[-1] for line in lines if line.startswith("NSpid:")][0]
+    tree = process_tree(environment.process_pid)
+    daemon = [pid for pid in tree if container_pid(pid) == inside][0]
+    print(json.dumps([environment.process_pid, daemon]), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no stop(): the host dies
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_container_ends_when_its_host_dies(debian_sif: Path, tmp_path: Path) -> None:
+    host = subprocess.run(
+        [sys.executable, "-c", HOST_THAT_DIES, str(debian_sif), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert host.returncode == -9, host.stderr
+    apptainer, daemon = json.loads(host.stdout)
+    deadline = time.monotonic() + 10
+    while still_running([apptainer, daemon]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = still_running([apptainer, daemon])
+    for pid in (apptainer, daemon):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()  # whatever failed the test is not left behind
+    assert left == []
+    assert not leftover_processes(debian_sif)
+
+
+OTHER_USER_PROBE = """
+import errno, json, os, sys
+pids, private = json.loads(sys.argv[1]), sys.argv[2]
+denied, reached = [], []
+for path in [f"/proc/{pid}/fd/{fd}" for pid in pids for fd in (0, 1)] + [private]:
+    try:
+        if path == private:
+            os.listdir(path)
+        else:
+            open(path, "rb").close()
+        reached.append(path)
+    except PermissionError:
+        denied.append(path)
+    except FileNotFoundError:
+        pass
+print(json.dumps({"denied": denied, "reached": reached}))
+"""
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.other_user
+def test_other_user_cannot_reach_the_channel(debian_sif: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with started(debian_sif, tmp_path) as environment:
+            assert environment.process_pid is not None
+            assert environment.staging_host_dir is not None
+            tree = process_tree(environment.process_pid)
+            # Nothing listens on the network: the whole channel is the root's pipes.
+            for pid in tree:
+                with_sockets = psutil.Process(pid).net_connections(kind="inet")
+                assert not [c for c in with_sockets if c.status == psutil.CONN_LISTEN]
+            probe = subprocess.run(
+                other_user_command(
+                    [
+                        "/usr/bin/python3",
+                        "-c",
+                        OTHER_USER_PROBE,
+                        json.dumps(tree),
+                        str(environment.staging_host_dir.parent),
+                    ]
+                ),
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            outcome = json.loads(probe.stdout)
+            assert outcome["reached"] == []
+            assert str(environment.staging_host_dir.parent) in outcome["denied"]
+            assert f"/proc/{environment.process_pid}/fd/0" in outcome["denied"]
+            # Still serving its owner afterwards.
+            assert (await environment.exec("echo fine")).stdout == "fine\n"
+
+    asyncio.run(main())
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.parametrize("fakeroot", [False, True])
+def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot: bool) -> None:
+    """Whoever runs the tests (CI: an ordinary user) is root inside by default, and with
+    fakeroot=false stays themselves; uploads work either way."""
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(os.urandom(5 << 20))
+
+    async def main() -> tuple[str, str]:
+        async with started(debian_sif, tmp_path / "env", fakeroot=fakeroot) as environment:
+            who = await environment.exec("id -u; touch /tmp/made && echo wrote")
+            await environment.upload_file(payload, "/tmp/payload.bin")
+            size = await environment.exec("stat -c %s /tmp/payload.bin")
+            return who.stdout or "", size.stdout or ""
+
+    who, size = asyncio.run(main())
+    assert who == f"{0 if fakeroot else os.getuid()}\nwrote\n"
+    assert int(size) == payload.stat().st_size
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
+def test_image_with_neither_python_nor_bash_fails_clearly(tiny_sif: Path, tmp_path: Path) -> None:
+    environment = make_environment(str(tiny_sif), tmp_path)
+    with pytest.raises(ContainerStartFailed, match="neither python3 nor bash"):
+        asyncio.run(environment.start(force_build=False))
+    assert not leftover_processes(tiny_sif)
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_setup_script_failure_raises_with_output(debian_sif: Path, tmp_path: Path) -> None:
+    files = tmp_path / "environment" / "files"
+    files.mkdir(parents=True)
+    (files / "setup.sh").write_text("echo 'half done'\nfalse\n")
+
+    async def main() -> None:
+        environment = make_environment(str(debian_sif), tmp_path, env_dir=files.parent)
+        with pytest.raises(SetupScriptFailed, match="half done"):
+            await environment.start(force_build=False)
+        assert environment.process_pid is None
+
+    asyncio.run(main())
+    assert not leftover_processes(debian_sif)

@@ -1,0 +1,196 @@
+"""What the tests share: the integration markers, and the fixtures of more than one test folder.
+
+Integration tests are marked by the real part they need: docker, registry, slurm, apptainer,
+other_user (another local user that the tests can act as: tests/support/users.py).
+
+Where a part is missing the test skips, so `uv run pytest` passes on a laptop. CI sets
+HARBOR_HPC_REQUIRE_INTEGRATION=1, which turns every such skip into a failure. Whether a part
+works is asked of `harbor_hpc.doctor`, the same probes users see in `harbor-hpc doctor`.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from harbor_hpc import doctor
+from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.fetch.hub import Hub
+from tests.support.fakehub import FakeHub
+from tests.support.hub_data import ARCHIVES, REPO_ID, write_task_archive
+from tests.support.images import RECORDER, TINY_DOCKERFILE, Recorder, TinyImage
+from tests.support.users import other_user_problem
+
+PARTS = ("docker", "registry", "slurm", "apptainer", "other_user")
+
+
+@cache
+def missing(part: str) -> str | None:
+    """Why `part` cannot be used here, or None when it works."""
+    if part == "registry":
+        return _registry_missing()
+    if part == "other_user":
+        return other_user_problem()
+    return doctor.part_problem(part)
+
+
+def _registry_missing() -> str | None:
+    for var in ("HARBOR_HPC_TEST_REGISTRY", "HARBOR_HPC_TEST_AUTH_REGISTRY"):
+        host = os.environ.get(var)
+        if not host:
+            return f"{var} is not set"
+        try:
+            urllib.request.urlopen(f"http://{host}/v2/", timeout=3)
+        except urllib.error.HTTPError:
+            pass  # 401 from the password-protected registry: it answers
+        except OSError as exc:
+            return f"{var}={host} does not answer ({exc})"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    required = os.environ.get("HARBOR_HPC_REQUIRE_INTEGRATION") == "1"
+    for part in PARTS:
+        if item.get_closest_marker(part) is None:
+            continue
+        problem = missing(part)
+        if problem is None:
+            continue
+        if required:
+            pytest.fail(f"{part} is required (HARBOR_HPC_REQUIRE_INTEGRATION=1): {problem}")
+        pytest.skip(f"{part} missing: {problem}")
+
+
+# -- images ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Iterator[Path]:
+    """A world-readable scratch folder (pytest's own is private), for what the other local
+    user must be able to run too."""
+    folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def debian_sif(shared_dir: Path) -> Path:
+    """The test base image (python3 included) as a .sif, from the local Docker daemon: built
+    once per session, readable by every local user."""
+    image = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    sif = shared_dir / "debian.sif"
+    subprocess.run(
+        [find_apptainer(), "build", "-F", str(sif), f"docker-daemon://{image}"],
+        check=True,
+        capture_output=True,
+    )
+    sif.chmod(0o755)
+    return sif
+
+
+@pytest.fixture(scope="session")
+def tiny_image() -> Iterator[TinyImage]:
+    import docker
+
+    client = docker.from_env()
+    base = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    open_registry = os.environ["HARBOR_HPC_TEST_REGISTRY"]
+    auth_registry = os.environ["HARBOR_HPC_TEST_AUTH_REGISTRY"]
+    user = os.environ["HARBOR_HPC_TEST_AUTH_USER"]
+    password = os.environ["HARBOR_HPC_TEST_AUTH_PASSWORD"]
+    # A fresh label per session: a new digest, so no earlier run's .sif can stand in.
+    nonce = uuid.uuid4().hex[:12]
+    dockerfile = TINY_DOCKERFILE.format(base=base, nonce=nonce).encode()
+    image, _ = client.images.build(
+        fileobj=io.BytesIO(dockerfile), tag=f"harbor-hpc-test/tiny:{nonce}", rm=True
+    )
+    refs = []
+    for registry, auth in (
+        (open_registry, None),
+        (auth_registry, {"username": user, "password": password}),
+    ):
+        repository = f"{registry}/harbor-hpc-test/tiny"
+        image.tag(repository, tag=nonce)
+        digest = None
+        # The login goes with this one push only: no Docker config file is read or written.
+        for line in client.images.push(
+            repository, tag=nonce, auth_config=auth, stream=True, decode=True
+        ):
+            if "error" in line:
+                raise RuntimeError(f"push to {registry} failed: {line['error']}")
+            digest = line.get("aux", {}).get("Digest", digest)
+        assert digest, f"push to {registry} reported no digest"
+        refs.append(f"{repository}@{digest}")
+    yield TinyImage(f"harbor-hpc-test/tiny:{nonce}", image.id, refs[0], refs[1], user, password)
+    for name in (
+        f"harbor-hpc-test/tiny:{nonce}",
+        f"{open_registry}/harbor-hpc-test/tiny:{nonce}",
+        f"{auth_registry}/harbor-hpc-test/tiny:{nonce}",
+    ):
+        client.images.remove(name, noprune=False)
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def session_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sif-store")
+
+
+@pytest.fixture(scope="session")
+def tiny_sif(tiny_image: TinyImage, session_store: Path) -> Path:
+    """The tiny image converted once from the open registry, for tests that only read a .sif."""
+    return ensure_sif(tiny_image.open_ref, session_store, nohttps=True)
+
+
+@pytest.fixture
+def recorder(tmp_path: Path) -> Recorder:
+    """An `apptainer` that logs its calls; point HARBOR_HPC_APPTAINER at `binary`."""
+    log = tmp_path / "apptainer-calls.log"
+    binary = tmp_path / "apptainer-recorder"
+    real = shutil.which("apptainer") or shutil.which("singularity") or "false"
+    binary.write_text(RECORDER.format(log=log, real=real))
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    return Recorder(binary, log)
+
+
+# -- a Hugging Face hub on loopback ------------------------------------------------------
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    for path, tasks in ARCHIVES.items():
+        write_task_archive(root / path, tasks)
+    (root / "README.md").write_text("# terminal tasks\n")
+    return root
+
+
+@pytest.fixture
+def fake_hub(dataset: Path) -> Iterator[FakeHub]:
+    with FakeHub(dataset, REPO_ID) as hub:
+        yield hub
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path) -> Path:
+    return tmp_path / "hf-home" / "hub"
+
+
+@pytest.fixture
+def hub(fake_hub: FakeHub, hf_cache: Path) -> Hub:
+    """Where in-process fetches go: huggingface_hub reads HF_ENDPOINT/HF_HOME at import only."""
+    return Hub(endpoint=fake_hub.url, cache_dir=hf_cache)

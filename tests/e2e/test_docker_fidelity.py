@@ -1,0 +1,419 @@
+"""A task cannot tell our environment from Docker, for whoever runs the tests (CI: an ordinary
+user, as on a cluster): root in the container, a writable image, its own /tmp, /dev/shm and
+HOME, the image's ENV, WORKDIR, USER and ENTRYPOINT, no network when asked, and a watchdog
+that sees the whole container.
+
+The image is built by Docker from a Dockerfile as a published task would have it, and turned
+into a .sif by `apptainer build docker-daemon://`, as `harbor-hpc convert` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.apptainer.errors import (
+    ContainerStartFailed,
+    MemoryLimitExceeded,
+    UnsupportedTask,
+)
+from harbor_hpc.apptainer.runtime import find_apptainer
+from tests.support.cli import cli, cli_json
+
+# A published task's image: a root-owned WORKDIR, ENV, an ENTRYPOINT that edits /etc/hosts
+# and leaves a mark, then runs the command it was given (Harbor's `sleep infinity`).
+DOCKERFILE = """\
+FROM {base}
+RUN mkdir -p /app && chmod 755 /app && echo 'seed' > /app/seed.txt
+WORKDIR /app
+ENV LANG=C.UTF-8 GREETING="hello world"
+ENTRYPOINT ["/bin/sh", "-c", \
+    "echo '10.1.2.3 entry.test' >> /etc/hosts; : > /tmp/entrypoint-ran; exec \\"$@\\"", "--"]
+LABEL org.harbor-hpc.test={nonce}
+"""
+REGISTRY_PORT = 5000  # something listening on the host's loopback (the test registry)
+
+
+@pytest.fixture(scope="module")
+def fidelity_sif() -> Iterator[Path]:
+    import docker
+
+    client = docker.from_env()
+    base = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    tag = f"harbor-hpc-test/fidelity:{uuid.uuid4().hex[:12]}"
+    dockerfile = DOCKERFILE.format(base=base, nonce=tag.rsplit(":", 1)[1]).encode()
+    client.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, rm=True)
+    folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-fidelity-"))
+    sif = folder / "fidelity.sif"
+    try:
+        subprocess.run(
+            [find_apptainer(), "build", str(sif), f"docker-daemon://{tag}"],
+            check=True,
+            capture_output=True,
+        )
+        yield sif
+    finally:
+        client.images.remove(tag)
+        client.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def make_environment(
+    image: Path, folder: Path, *, memory_mb: int | None = None, **kwargs: Any
+) -> SingularityEnvironment:
+    trial_paths = TrialPaths(folder / "trial")
+    trial_paths.mkdir()
+    (folder / "environment").mkdir(exist_ok=True)
+    return SingularityEnvironment(
+        environment_dir=folder / "environment",
+        environment_name="fidelity",
+        session_id="fidelity__env",
+        trial_paths=trial_paths,
+        task_env_config=EnvironmentConfig(docker_image=str(image), memory_mb=memory_mb),
+        logger=logging.getLogger("test"),
+        **kwargs,
+    )
+
+
+@asynccontextmanager
+async def started(
+    image: Path, folder: Path, **kwargs: Any
+) -> AsyncIterator[SingularityEnvironment]:
+    environment = make_environment(image, folder, **kwargs)
+    await environment.start(force_build=False)
+    try:
+        yield environment
+    finally:
+        await environment.stop(delete=True)
+
+
+async def run(environment: SingularityEnvironment, command: str, **kwargs: Any) -> str:
+    result = await environment.exec(command, **kwargs)
+    assert result.return_code == 0, f"{command}: {result.stdout}{result.stderr}"
+    return result.stdout or ""
+
+
+def connect_command(host: str, port: int) -> str:
+    return (
+        f'python3 -c \'import socket; socket.create_connection(("{host}", '
+        f'{port}), timeout=3); print("connected")\' 2>&1 | tail -n 1'
+    )
+
+
+# Binds port 80 (root's, in a network namespace of the container's own) and holds it a while.
+BIND_80 = (
+    "python3 -c 'import socket, time; s = socket.socket(); "
+    's.bind(("0.0.0.0", 80)); s.listen(); print("bound"); time.sleep(2)\''
+)
+
+
+@pytest.fixture(scope="module")
+def host_listener() -> Iterator[tuple[str, int]]:
+    """A port listening on the node's own (non-loopback) address: what a container with the
+    network reaches, as a Docker container reaches its host, and one without cannot."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.connect(("10.255.255.255", 1))  # no packet: picks the address of the default route
+    address = probe.getsockname()[0]
+    probe.close()
+    server = socket.create_server(("0.0.0.0", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                server.accept()[0].close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield address, server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_the_container_looks_like_docker(fidelity_sif: Path, tmp_path: Path) -> None:
+    host_secret = Path(tempfile.gettempdir()) / f"host-only-{uuid.uuid4().hex}"
+    host_secret.write_text("host\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    mounts = [{"type": "bind", "source": str(logs), "target": "/logs/agent"}]
+
+    async def main() -> None:
+        async with started(fidelity_sif, tmp_path, mounts=mounts) as environment:
+            assert await run(environment, "id -u; pwd") == "0\n/app\n"
+            # The image's folders, /tmp and HOME are writable, as for Docker's root.
+            made = "echo x > /app/new && echo y > /tmp/t && echo z > $HOME/h && echo $HOME"
+            assert await run(environment, made) == "/root\n"
+            hidden = await run(environment, f"ls {host_secret} 2>&1 || echo absent")
+            assert hidden.endswith("absent\n")
+            shm = "head -c 1000000 /dev/zero > /dev/shm/x && stat -c %s /dev/shm/x"
+            assert await run(environment, shm) == "1000000\n"
+            # The image's ENV as Docker sets it; nothing of Apptainer.
+            names = (await run(environment, "env")).splitlines()
+            env = dict(line.split("=", 1) for line in names if "=" in line)
+            assert env["LANG"] == "C.UTF-8" and env["GREETING"] == "hello world"
+            leaked = [
+                name
+                for name in env
+                if name.startswith(("APPTAINER", "SINGULARITY"))
+                or name in {"PS1", "PROMPT_COMMAND", "LC_CTYPE"}
+            ]
+            assert leaked == []
+            assert "singularity" not in env.get("LD_LIBRARY_PATH", "")
+            prompt = await run(environment, "bash -i -c 'echo \"$PS1\"' 2>/dev/null")
+            assert "Apptainer" not in prompt
+            # The ENTRYPOINT ran before anything else, as root.
+            hosts = await run(environment, "tail -n 1 /etc/hosts; ls /tmp/entrypoint-ran")
+            assert hosts == "10.1.2.3 entry.test\n/tmp/entrypoint-ran\n"
+            # apt's way of dropping privileges works (a user of the subuid range).
+            other = "su nobody -s /bin/sh -c 'id -u' && chmod 777 /logs/agent"
+            assert await run(environment, other) == "65534\n"
+            await run(environment, "su nobody -s /bin/sh -c 'echo n > /logs/agent/by-nobody'")
+            await run(environment, "echo r > /logs/agent/by-root")
+            private = environment._private_dir
+            assert private is not None and private.stat().st_mode & 0o077 == 0
+
+    asyncio.run(main())
+    host_secret.unlink()
+    # What the container wrote into the host's folders belongs to whoever ran it.
+    owners = {path.name: path.stat().st_uid for path in logs.iterdir()}
+    assert owners == {"by-nobody": os.getuid(), "by-root": os.getuid()}
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
+def test_each_container_has_a_network_of_its_own(
+    fidelity_sif: Path, tmp_path: Path, host_listener: tuple[str, int]
+) -> None:
+    """As with Docker: the network reaches out, port 80 is the container's own (two containers
+    bind it at once), the node's loopback services are not reachable; and no-network is only
+    loopback, reaching nothing."""
+    interfaces = "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort"
+
+    async def main() -> dict[str, str]:
+        seen = {}
+        async with (
+            started(fidelity_sif, tmp_path / "one") as one,
+            started(fidelity_sif, tmp_path / "two") as two,
+        ):
+            seen["out"] = await run(one, connect_command(*host_listener))
+            seen["loopback"] = await run(one, connect_command("127.0.0.1", REGISTRY_PORT))
+            both = await asyncio.gather(run(one, BIND_80), run(two, BIND_80))
+            seen["bound"] = "".join(both)
+            seen["interfaces"] = await run(one, interfaces)
+        closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
+        async with started(fidelity_sif, tmp_path / "closed", network_policy=closed) as offline:
+            seen["closed out"] = await run(offline, connect_command(*host_listener))
+            seen["closed interfaces"] = await run(offline, interfaces)
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen["out"] == "connected\n"
+    assert "refused" in seen["loopback"], seen["loopback"]
+    assert seen["bound"] == "bound\nbound\n"
+    assert seen["interfaces"] == "lo\ntap0\n"
+    assert "unreachable" in seen["closed out"], seen["closed out"]
+    assert seen["closed interfaces"] == "lo\n"
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    "hog",
+    [
+        # A daemon that left the exec's process tree (tmux's server does this).
+        "setsid python3 -c 'import time; b = bytearray(600 << 20); time.sleep(60)' "
+        "> /dev/null 2>&1 < /dev/null & sleep 30",
+        # Files in /dev/shm are RAM that no process is charged for.
+        "head -c 600000000 /dev/zero > /dev/shm/big; sleep 30",
+    ],
+    ids=["daemon", "dev-shm"],
+)
+def test_the_watchdog_sees_the_whole_container(
+    fidelity_sif: Path, tmp_path: Path, hog: str
+) -> None:
+    async def main() -> None:
+        async with started(fidelity_sif, tmp_path, memory_mb=256) as environment:
+            with pytest.raises(MemoryLimitExceeded, match="memory limit of 256 MB"):
+                await environment.exec(hog, timeout_sec=60)
+
+    asyncio.run(main())
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_the_writable_image_is_on_disk_and_removed_with_the_trial(
+    fidelity_sif: Path, tmp_path: Path
+) -> None:
+    scratch = tmp_path / "scratch"
+
+    async def main() -> None:
+        async with started(fidelity_sif, tmp_path, scratch_dir=scratch) as environment:
+            # Far beyond Apptainer's 64 MB tmpfs overlay; files of another user of the range.
+            await run(environment, "head -c 300000000 /dev/urandom > /app/big.bin")
+            await run(environment, "su nobody -s /bin/sh -c 'mkdir /tmp/n && touch /tmp/n/f'")
+            assert await run(environment, "stat -c %s /app/big.bin") == "300000000\n"
+            assert list(scratch.iterdir())
+
+    asyncio.run(main())
+    assert list(scratch.iterdir()) == []
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_a_user_that_looks_like_an_option_never_runs(fidelity_sif: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with started(fidelity_sif, tmp_path) as environment:
+            with pytest.raises(ValueError, match="not a user name"):
+                await environment.exec("id -u", user="-c id")
+            assert await run(environment, "id -un", user="nobody") == "nobody\n"
+
+    asyncio.run(main())
+
+
+def test_unknown_kwargs_are_refused_with_the_accepted_ones(tmp_path: Path) -> None:
+    with pytest.raises(
+        ContainerStartFailed, match=r"unknown environment kwargs: fakerot; accepted: .*scratch_dir"
+    ):
+        make_environment(tmp_path / "x.sif", tmp_path, fakerot=True)
+
+
+def test_compose_sidecars_are_unsupported_not_ignored(tmp_path: Path) -> None:
+    environment = make_environment(tmp_path / "x.sif", tmp_path)
+    (tmp_path / "environment" / "docker-compose.yaml").write_text("services: {}\n")
+    with pytest.raises(UnsupportedTask, match=r"docker-compose\.yaml"):
+        asyncio.run(environment.start(force_build=False))
+
+
+# -- the same through `harbor-hpc submit` on Slurm -----------------------------------------
+
+VERIFY = """\
+#!/bin/bash
+mkdir -p /logs/verifier
+if ( {check} ) > /dev/null 2>&1; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+"""
+
+
+def task_specs(host: str, port: int) -> dict[str, dict[str, Any]]:
+    """The tasks, `host:port` being a listener on the node (see `host_listener`)."""
+    return {
+        # Writes to the image's root-owned WORKDIR, /tmp and HOME; apt-installs a package;
+        # reaches out, and binds port 80.
+        "root-things": {
+            "solve": "echo 42 > answer.txt && echo t > /tmp/t && echo h > ~/h\n"
+            "apt-get update -qq && apt-get install -y -qq --no-install-recommends jq >/dev/null\n"
+            f"{connect_command(host, port)} > /tmp/out\n{BIND_80} > /tmp/bound\n",
+            "check": '[ "$(cat /app/answer.txt)" = 42 ] && [ -f /tmp/t ] && [ -f /root/h ]'
+            " && command -v jq && grep -q connected /tmp/out && grep -q bound /tmp/bound",
+        },
+        "no-network": {
+            "solve": connect_command(host, port) + " > /app/answer.txt\n",
+            "check": "grep -q unreachable /app/answer.txt",
+            "toml": "allow_internet = false\n",
+        },
+        **SELF_CONTAINED,
+    }
+
+
+# The tasks that need no listener.
+SELF_CONTAINED: dict[str, dict[str, Any]] = {
+    "entrypoint": {
+        "solve": "true\n",
+        "check": "grep -q entry.test /etc/hosts && [ -f /tmp/entrypoint-ran ]",
+    },
+    "hog-daemon": {
+        "solve": "setsid python3 -c 'import time; b = bytearray(600 << 20); time.sleep(60)' "
+        "> /dev/null 2>&1 < /dev/null &\nsleep 30\n",
+        "check": "true",
+        "toml": "memory_mb = 256\n",
+    },
+    "hog-shm": {
+        "solve": "head -c 600000000 /dev/zero > /dev/shm/big; sleep 30\n",
+        "check": "true",
+        "toml": "memory_mb = 256\n",
+    },
+    "compose": {"solve": "true\n", "check": "true", "compose": True},
+}
+EXPECTED = {
+    "root-things": ("done", 1.0, None),
+    "no-network": ("done", 1.0, None),
+    "entrypoint": ("done", 1.0, None),
+    "hog-daemon": ("failed", None, "memory"),
+    "hog-shm": ("failed", None, "memory"),
+    "compose": ("failed", None, "unsupported"),
+}
+
+
+def write_task(root: Path, name: str, spec: dict[str, Any], image: Path) -> None:
+    task = root / name
+    for sub in ("environment", "solution", "tests"):
+        (task / sub).mkdir(parents=True)
+    (task / "task.toml").write_text(
+        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
+        f'[environment]\ndocker_image = "{image}"\n' + spec.get("toml", "")
+    )
+    (task / "instruction.md").write_text(f"{name}\n")
+    (task / "environment" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
+    if spec.get("compose"):
+        (task / "environment" / "docker-compose.yaml").write_text(
+            "services:\n  db:\n    image: postgres\n"
+        )
+    (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + spec["solve"])
+    (task / "tests" / "test.sh").write_text(VERIFY.format(check=spec["check"]))
+    for script in (task / "solution" / "solve.sh", task / "tests" / "test.sh"):
+        script.chmod(0o755)
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
+def test_published_task_features_through_submit(
+    fidelity_sif: Path, tmp_path: Path, host_listener: tuple[str, int]
+) -> None:
+    tasks = tmp_path / "tasks"
+    for name, spec in task_specs(*host_listener).items():
+        write_task(tasks, name, spec, fidelity_sif)
+    run_dir = tmp_path / "run"
+    submitted = cli(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
+        "--executor", "slurm", "--concurrency", "2", "--tasks-per-job", "3", "--wait",
+        check=False,
+    )  # fmt: skip
+    assert submitted.returncode in (0, 1), submitted.stderr
+    statuses = {row["task"]: row for row in cli_json("status", str(run_dir))}
+    seen = {name: (row["state"], row["reward"], row["failure"]) for name, row in statuses.items()}
+    assert seen == EXPECTED, json.dumps(statuses, indent=1)[:4000]
+    assert "docker-compose.yaml" in (statuses["compose"]["message"] or "")
+    assert "256 MB" in (statuses["hog-shm"]["message"] or "")
+
+
+def test_write_task_is_a_valid_harbor_task(tmp_path: Path) -> None:
+    from harbor.models.task.task import Task
+
+    write_task(tmp_path, "no-network", task_specs("192.0.2.1", 1)["no-network"], tmp_path / "x.sif")
+    config = Task(tmp_path / "no-network").config
+    assert config.environment.network_mode == NetworkMode.NO_NETWORK

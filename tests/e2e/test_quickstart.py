@@ -1,0 +1,38 @@
+"""The README's quick start, run as written: the whole flow on the bundled example tasks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.docker
+@pytest.mark.registry
+@pytest.mark.apptainer
+@pytest.mark.slurm
+def test_quickstart_runs_the_examples_to_reward_one_and_a_rerun_does_nothing(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "quickstart"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    command = ["bash", str(REPO / "examples" / "quickstart.sh"), str(work)]
+
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr
+    rollouts = [json.loads(line) for line in (work / "rollouts.jsonl").read_text().splitlines()]
+    assert sorted(r["task"] for r in rollouts) == ["fix-python", "hello-world", "word-count"]
+    assert all(r["reward"] == 1.0 for r in rollouts)
+    manifest = json.loads((work / "manifest.json").read_text())
+    assert len(manifest["images"]) == 2  # hello-world and fix-python share one build context
+
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to submit" in again.stdout + again.stderr
+    assert len(list((work / "run" / "trials").iterdir())) == 3

@@ -1,0 +1,162 @@
+"""What `submit` checks before anything is queued: environment kwargs the environment does not
+take, an environment that does not import, and the separate verifier's image; and `--scratch-dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from harbor.environments.base import BaseEnvironment
+
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.slurm.submit import image_problem
+from harbor_hpc.tasks.discovery import Task, load_task
+from tests.support.sample_tasks import make_task
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ScratchEnvironment(SingularityEnvironment):
+    """An environment of a user's own: one more kwarg of its own, the rest inherited."""
+
+    def __init__(self, *args: Any, flavour: str = "plain", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+
+
+def submit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`harbor-hpc submit TASKS --agent oracle --dry-run --json ARGS` on one ready task."""
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    if not (tmp_path / "tasks").exists():
+        make_task(tmp_path / "tasks", "a", image=str(sif))
+    command = [sys.executable, "-m", "harbor_hpc", "submit", str(tmp_path / "tasks")]
+    command += ["--agent", "oracle", "--executor", "local", "--run-dir", str(tmp_path / "run")]
+    env = {
+        **{
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("HARBOR_HPC_CONFIG", "HARBOR_HPC_CACHE")
+        },
+        "PYTHONPATH": str(REPO),  # the test environment class above, by its import path
+        "COLUMNS": "400",
+    }
+    return subprocess.run(
+        [*command, "--dry-run", "--json", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_accepted_kwargs_come_from_the_init_signatures_up_to_harbors_base() -> None:
+    accepted = accepted_environment_kwargs(SingularityEnvironment)
+    for own in ("singularity_image_cache_dir", "fakeroot", "memory_kill_fraction", "scratch_dir"):
+        assert own in accepted
+    for harbor_fills in ("environment_dir", "session_id", "task_env_config", "logger", "mounts"):
+        assert harbor_fills not in accepted
+    for users_may in ("override_cpus", "override_memory_mb", "persistent_env"):
+        assert users_may in accepted  # BaseEnvironment's, filled by the factory, overridable
+    assert "kwargs" not in accepted and "args" not in accepted and "self" not in accepted
+    assert accepted_environment_kwargs(ScratchEnvironment) == sorted([*accepted, "flavour"])
+    assert set(accepted_environment_kwargs(BaseEnvironment)) < set(accepted)
+
+
+def test_an_unknown_environment_kwarg_is_refused_in_one_line(tmp_path: Path) -> None:
+    refused = submit(tmp_path, "--environment-kwarg", "fakerot=true", "--environment-kwarg", "x=1")
+    assert refused.returncode == 2
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in refused.stderr
+    assert "fakerot, x: not accepted by harbor_hpc.environment:SingularityEnvironment" in lines[0]
+    assert "fakeroot" in lines[0] and "singularity_image_cache_dir" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+    fine = submit(tmp_path, "--environment-kwarg", "fakeroot=true", "--environment-kwarg",
+                  "override_cpus=2")  # fmt: skip
+    assert fine.returncode == 0, fine.stderr
+    kwargs = json.loads(fine.stdout)["environment_kwargs"]
+    assert kwargs == {"fakeroot": True, "override_cpus": 2}
+
+
+def test_an_environment_that_does_not_import_is_named_in_one_line(tmp_path: Path) -> None:
+    for path, error in (
+        ("no_such_module_here:Env", "ModuleNotFoundError: No module named 'no_such_module_here'"),
+        ("harbor_hpc.environment:NoSuchClass", "AttributeError"),
+    ):
+        refused = submit(tmp_path, "--environment", path)
+        assert refused.returncode == 2, refused.stderr
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert f"--environment {path}: cannot import it ({error}" in lines[0]
+        assert "Traceback" not in refused.stderr
+
+
+def test_scratch_dir_goes_to_the_environment_as_scratch_dir(tmp_path: Path) -> None:
+    given = submit(tmp_path, "--scratch-dir", "/local/scratch/me")
+    assert given.returncode == 0, given.stderr
+    assert json.loads(given.stdout)["environment_kwargs"] == {"scratch_dir": "/local/scratch/me"}
+
+    (tmp_path / "harbor-hpc.toml").write_text('scratch_dir = "/from/config"\n')
+    configured = submit(
+        tmp_path,
+        "--environment",
+        "tests.e2e.test_submit_checks:ScratchEnvironment",
+        "--environment-kwarg",
+        "flavour=spicy",
+    )
+    assert configured.returncode == 0, configured.stderr
+    assert json.loads(configured.stdout)["environment_kwargs"] == {
+        "flavour": "spicy",
+        "scratch_dir": "/from/config",
+    }
+    (tmp_path / "harbor-hpc.toml").unlink()
+    assert (
+        "--scratch-dir"
+        in subprocess.run(
+            [sys.executable, "-m", "harbor_hpc", "submit", "--help"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "200"},
+        ).stdout
+    )
+
+
+def _task(root: Path, verifier: str, tests_dockerfile: bool = True) -> Task:
+    root.mkdir(parents=True)
+    sif = root / "main.sif"
+    sif.write_text("")
+    path = make_task(root, "t", image=str(sif))
+    text = (path / "task.toml").read_text().replace("[verifier]\n", f"[verifier]\n{verifier}")
+    (path / "task.toml").write_text(text)
+    if tests_dockerfile:
+        (path / "tests" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
+    task = load_task(root, path)
+    assert isinstance(task, Task)
+    return task
+
+
+def test_image_check_covers_the_separate_verifier(tmp_path: Path) -> None:
+    unbuilt = _task(tmp_path / "1", 'environment_mode = "separate"\n')
+    problem = image_problem(unbuilt) or ""
+    assert problem.startswith(f"{unbuilt.task_toml}: the separate verifier builds tests/Dockerfile")
+    assert "verifier.environment.docker_image" in problem and "harbor-hpc build" in problem
+
+    # Shared mode: tests/Dockerfile is not Harbor's concern, nor ours.
+    assert image_problem(_task(tmp_path / "2", "")) is None
+    # Separate, but no image of its own: the verifier runs in the task's image.
+    assert image_problem(_task(tmp_path / "3", 'environment_mode = "separate"\n', False)) is None
+
+    gone = tmp_path / "gone.sif"
+    missing = _task(tmp_path / "4", f'environment = {{ docker_image = "{gone}" }}\n')
+    assert image_problem(missing) == (
+        f"{missing.task_toml}: verifier.environment.docker_image {gone} does not exist "
+        "(run `harbor-hpc convert`)"
+    )
+    gone.write_text("")
+    assert image_problem(missing) is None

@@ -1,0 +1,172 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harbor_hpc.apptainer.store import is_ready
+from harbor_hpc.slurm.convert import plan_conversions
+from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
+from tests.support.images import Recorder, TinyImage, write_manifest
+
+DIGEST = "sha256:" + "ab" * 32
+MISSING = "sha256:" + "00" * 32
+
+
+@pytest.fixture(autouse=True)
+def no_user_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's harbor-hpc.toml must not change what these tests see."""
+    empty = tmp_path / "empty-config.toml"
+    empty.write_text("")
+    monkeypatch.setenv("HARBOR_HPC_CONFIG", str(empty))
+    monkeypatch.delenv("HARBOR_HPC_CACHE", raising=False)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "harbor_hpc", "convert", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "250", **(env or {})},  # no wrapping inside messages
+        timeout=600,
+        check=False,
+    )
+
+
+def record(repository: str, digest: str | None, tasks: list[str], **extra: str) -> ImageRecord:
+    return ImageRecord(repository=repository, tag="ctx", tasks=tasks, digest=digest, **extra)
+
+
+def test_plan_names_unusable_images_and_merges_identical_ones(tmp_path: Path) -> None:
+    manifest = tmp_path / "manifest.json"
+    write_manifest(
+        manifest,
+        {
+            "one": record("localhost:5000/ns/a", DIGEST, ["t/1"]),
+            "two": record("localhost:5000/ns/a", DIGEST, ["t/2"]),  # same image, other context
+            "broken": record("localhost:5000/ns/b", None, ["t/3"], error="RUN step failed"),
+            "unpushed": record("localhost:5000/ns/c", None, ["t/4"]),
+        },
+    )
+    planned = plan_conversions(manifest, tmp_path / "store")
+    states = {c.image: (c.state, c.tasks) for c in planned}
+    assert states[f"localhost:5000/ns/a@{DIGEST}"] == ("to convert", ["t/1", "t/2"])
+    assert states["localhost:5000/ns/b:ctx"][0] == "failed"
+    assert states["localhost:5000/ns/c:ctx"][0] == "failed"
+    assert not (tmp_path / "store").exists()
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, {"one": record("localhost:5000/ns/a", DIGEST, ["t/1"])})
+    before = manifest.read_text()
+    result = cli("--manifest", str(manifest), "--cache-dir", str(tmp_path / "store"), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "would convert localhost:5000/ns/a@" in result.stdout
+    assert manifest.read_text() == before
+    assert not (tmp_path / "store").exists()
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
+    result = cli("--manifest", str(tmp_path / "nope.json"))
+    assert result.returncode == 2
+    assert "nope.json: no such manifest" in result.stderr
+    assert "Traceback" not in result.stderr
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, {})
+    result = cli("--manifest", str(manifest), "--slurm", "--source", "docker-daemon")
+    assert result.returncode == 2
+    assert "compute nodes" in result.stderr
+
+
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_convert_records_sifs_reports_failures_and_reruns_from_cache(
+    tiny_image: TinyImage, tiny_sif: Path, tmp_path: Path, recorder: Recorder
+) -> None:
+    repository, digest = tiny_image.open_ref.split("@")
+    manifest = tmp_path / "manifest.json"
+    good = record(repository, digest, ["dom/good-1", "dom/good-2"])
+    write_manifest(
+        manifest,
+        {"good": good, "gone": record(repository.replace("tiny", "gone"), MISSING, ["dom/lost"])},
+    )
+    store = str(tiny_sif.parent)
+
+    result = cli("--manifest", str(manifest), "--cache-dir", store, "--nohttps", "--json")
+    assert result.returncode == 1
+    summary = json.loads(result.stdout)
+    assert (summary["cached"], summary["failed"]) == (1, 1)
+    failed = next(image for image in summary["images"] if image["state"] == "failed")
+    assert failed["tasks"] == ["dom/lost"] and "manifest unknown" in failed["error"]
+    assert load_manifest(manifest).images["good"].sif == str(tiny_sif)
+
+    human = cli("--manifest", str(manifest), "--cache-dir", store, "--nohttps")
+    assert "gone@" in human.stderr and "dom/lost" in human.stderr
+
+    # A fully cached rerun: no Apptainer call at all (bench/convert_cached.py times it).
+    write_manifest(manifest, {"good": good})
+    recording = {"HARBOR_HPC_APPTAINER": str(recorder.binary)}
+    rerun = cli("--manifest", str(manifest), "--cache-dir", store, env=recording)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "1 cached" in rerun.stdout
+    assert recorder.calls() == []
+    assert load_manifest(manifest).images["good"].sif == str(tiny_sif)
+
+
+@pytest.mark.apptainer
+@pytest.mark.registry  # the shared test image is pushed to both registries
+@pytest.mark.docker
+def test_convert_from_docker_daemon(tiny_image: TinyImage, tmp_path: Path) -> None:
+    manifest = tmp_path / "manifest.json"
+    name, tag = tiny_image.tag.split(":")
+    write_manifest(manifest, {"local": ImageRecord(repository=name, tag=tag, tasks=["t/1"])})
+    result = cli(
+        "--manifest",
+        str(manifest),
+        "--cache-dir",
+        str(tmp_path / "store"),
+        "--source",
+        "docker-daemon",
+    )
+    assert result.returncode == 0, result.stderr
+    sif = load_manifest(manifest).images["local"].sif
+    assert sif is not None and is_ready(Path(sif))
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_convert_on_slurm(tiny_image: TinyImage, tmp_path: Path) -> None:
+    repository, digest = tiny_image.open_ref.split("@")
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, {"img": record(repository, digest, ["t/1"])})
+    store = tmp_path / "store"
+    partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION", "debug")
+    result = cli(
+        "--manifest", str(manifest), "--cache-dir", str(store), "--nohttps", "--slurm",
+        "--partition", partition, "--time", "10", "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    summary = json.loads(result.stdout)
+    assert summary["converted"] == 1
+    sif = load_manifest(manifest).images["img"].sif
+    assert sif is not None and is_ready(Path(sif))
+    assert list((store / ".slurm").iterdir())  # the array job's logs
+
+
+@pytest.mark.slurm
+def test_slurm_refusal_is_a_clear_error(tmp_path: Path) -> None:
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, {"img": record("localhost:5000/ns/a", DIGEST, ["t/1"])})
+    store = str(tmp_path / "store")
+    result = cli(
+        "--manifest", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such"
+    )
+    assert result.returncode == 1
+    assert "Slurm refused the conversion job" in result.stderr
+    assert "Traceback" not in result.stderr

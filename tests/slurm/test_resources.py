@@ -1,0 +1,89 @@
+"""Chunking and per-element sizing from the tasks' own declarations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harbor_hpc.results.record import Unit
+from harbor_hpc.slurm.resources import (
+    NodeLimits,
+    Resources,
+    chunked,
+    element_resources,
+    fit_to_node,
+    parse_max_array_size,
+)
+from harbor_hpc.slurm.submit import (
+    SubmitOptions,
+    image_problem,
+    parse_sbatch_args,
+    plan_chunks,
+    submit_run,
+)
+from harbor_hpc.tasks.discovery import discover_tasks
+from tests.support.sample_tasks import make_task
+
+
+def test_chunked() -> None:
+    assert chunked([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+    assert chunked([], 3) == []
+
+
+def test_elements_hold_k_tasks_with_all_their_attempts() -> None:
+    units = [Unit(t, k) for t in "abc" for k in range(2)]
+    chunks = plan_chunks(units, tasks_per_job=2)
+    assert chunks == [units[:4], units[4:]]
+    # Local runs: at most `local_processes` elements, all at once.
+    assert len(plan_chunks(units, tasks_per_job=1, local_processes=1)) == 1
+    assert len(plan_chunks(units, tasks_per_job=1, local_processes=2)) == 2
+
+
+def test_resources_follow_the_tasks(tmp_path: Path) -> None:
+    make_task(tmp_path, "small", image="/x.sif", memory_mb=256, agent_timeout_sec=30)
+    make_task(tmp_path, "big", image="/x.sif", memory_mb=1024, agent_timeout_sec=300)
+    tasks = discover_tasks(tmp_path).tasks
+    one = element_resources(tasks, trials=1, concurrency=2)
+    four = element_resources(tasks, trials=4, concurrency=2)
+    assert one.cpus == 1 and four.cpus == 2
+    assert four.mem_mb == 2 * 1024 + one.mem_mb - 1024
+    assert four.time_min > one.time_min  # two waves of two
+    assert fit_to_node(four, NodeLimits(cpus=1, mem_mb=1000)) == Resources(four.time_min, 1000, 1)
+
+
+def test_max_array_size_from_scontrol_output() -> None:
+    assert parse_max_array_size("Foo = 1\nMaxArraySize            = 10001\n") == 10001
+    assert parse_max_array_size("nothing") == 1001
+
+
+def test_image_problems_name_the_task_file(tmp_path: Path) -> None:
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    make_task(tmp_path / "t", "ok", image=str(sif))
+    make_task(tmp_path / "t", "gone", image=str(tmp_path / "gone.sif"))
+    make_task(tmp_path / "t", "none", image=None)
+    make_task(tmp_path / "t", "registry", image="localhost:5000/x:1")
+    problems = {t.rel: image_problem(t) for t in discover_tasks(tmp_path / "t").tasks}
+    assert problems["ok"] is None and problems["registry"] is None
+    assert "does not exist" in str(problems["gone"])
+    assert "no environment.docker_image" in str(problems["none"])
+
+
+def test_sbatch_args() -> None:
+    assert parse_sbatch_args(["--constraint=a100", "exclusive", "mail-type=END"]) == {
+        "constraint": "a100",
+        "exclusive": True,
+        "mail_type": "END",
+    }
+
+
+def test_local_runs_default_to_one_process(tmp_path: Path) -> None:
+    # Without --array-parallelism, the local executor used to start one process per task at once.
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    for name in ("a", "b", "c"):
+        make_task(tmp_path / "t", name, image=str(sif))
+    options = SubmitOptions(agent="oracle", executor="local")
+    result = submit_run(tmp_path / "t", tmp_path / "run", options, dry_run=True)
+    assert len(result.units) == 3 and len(result.chunks) == 1
+    options.array_parallelism = 2
+    assert len(submit_run(tmp_path / "t", tmp_path / "run", options, dry_run=True).chunks) == 2

@@ -1,0 +1,186 @@
+"""End to end on the real one-node Slurm with Apptainer: submit, status, resubmit, export.
+
+Tasks run the oracle agent in harbor-hpc's environment on a .sif of the test base image. The
+machine has 2 cores, so trials run 2 at a time with short timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harbor_hpc.results.record import RunPaths, load_run, read_markers
+from harbor_hpc.results.status import queued_slurm_jobs
+from tests.support.cli import cli, cli_json
+from tests.support.sample_tasks import make_task
+
+pytestmark = [pytest.mark.slurm, pytest.mark.apptainer, pytest.mark.docker]
+
+SOLVED = [f"solved-{i:02d}" for i in range(8)]
+EXPECTED = {
+    **{name: ("done", 1.0, None) for name in SOLVED},
+    "unsolved": ("done", 0.0, None),
+    "hog": ("failed", None, "memory"),
+    "slow": ("failed", None, "timeout"),
+    "noimage": ("failed", None, "image"),
+    "gone": ("failed", None, "image"),
+}
+
+
+def by_task(statuses: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {s["task"]: s for s in statuses}
+
+
+@pytest.fixture(scope="module")
+def suite_run(debian_sif: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("suite")
+    tasks = root / "tasks"
+    for name in SOLVED:
+        make_task(tasks, name, image=str(debian_sif), agent_timeout_sec=30, verifier_timeout_sec=30)
+    make_task(
+        tasks,
+        "unsolved",
+        kind="unsolved",
+        image=str(debian_sif),
+        agent_timeout_sec=30,
+        verifier_timeout_sec=30,
+    )
+    make_task(
+        tasks,
+        "hog",
+        kind="memory_hog",
+        memory_mb=128,
+        image=str(debian_sif),
+        agent_timeout_sec=30,
+        verifier_timeout_sec=30,
+    )
+    make_task(tasks, "slow", kind="slow", image=str(debian_sif), agent_timeout_sec=3)
+    make_task(tasks, "noimage", image=None)
+    make_task(tasks, "gone", image=str(root / "missing.sif"))
+    run_dir = root / "run"
+    submitted = cli_json(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
+        "--executor", "slurm", "--concurrency", "2", "--tasks-per-job", "4", "--wait",
+    )  # fmt: skip
+    assert sorted(submitted["image_problems"]) == ["gone", "noimage"]
+    assert submitted["trials"] == 11 and submitted["elements"] == 3
+    return run_dir
+
+
+def test_rewards_and_failure_classes(suite_run: Path) -> None:
+    statuses = by_task(cli_json("status", str(suite_run)))
+    got = {task: (s["state"], s["reward"], s["failure"]) for task, s in statuses.items()}
+    expected = {task: want for task, want in EXPECTED.items()}
+    # A timed-out agent still gets verified; only its class matters here.
+    got["slow"] = (got["slow"][0], None, got["slow"][2])
+    assert got == expected
+    assert "MemoryLimitExceeded" in statuses["hog"]["message"]
+    assert "AgentTimeoutError" in statuses["slow"]["message"]
+    for task in SOLVED:
+        trial_dir = RunPaths(suite_run).trial(statuses[task]["trial"])
+        assert (trial_dir / "result.json").is_file() and (trial_dir / "trial.log").is_file()
+    record = load_run(suite_run)
+    assert len(record.submissions) == 1 and record.submissions[0].job_ids
+    table = cli("status", str(suite_run)).stdout
+    assert "mean reward 0.889" in table  # 8 solved of 9 that ran to a reward
+
+
+def test_export_writes_one_rollout_per_trial(suite_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rollouts.jsonl"
+    assert cli_json("export", str(suite_run), "--out", str(out))["rollouts"] == 11
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["task"] for line in lines) == sorted(
+        task for task in EXPECTED if task not in ("noimage", "gone")
+    )
+    solved = next(line for line in lines if line["task"] == SOLVED[0])
+    assert solved["reward"] == 1.0 and solved["agent"] == "oracle"
+    assert solved["timings"]["agent_execution"] is not None
+    assert solved["instruction"].startswith("Write 42")
+
+
+def test_a_deleted_trial_is_restored_by_resubmit_and_nothing_else_reruns(suite_run: Path) -> None:
+    before = by_task(cli_json("status", str(suite_run)))
+    victim = before[SOLVED[3]]["trial"]
+    shutil.rmtree(RunPaths(suite_run).trial(victim))
+    lost = by_task(cli_json("status", str(suite_run)))[SOLVED[3]]
+    assert (lost["state"], lost["failure"]) == ("failed", "infrastructure")
+    markers_before = len(read_markers(suite_run))
+
+    resubmitted = cli_json("resubmit", str(suite_run), "--wait")
+    # The lost trial, plus the two tasks whose image is still missing (rechecked, not run).
+    assert resubmitted["trials"] == 1
+    assert sorted(resubmitted["image_problems"]) == ["gone", "noimage"]
+    after = by_task(cli_json("status", str(suite_run)))
+    assert after[SOLVED[3]]["state"] == "done" and after[SOLVED[3]]["trial"] != victim
+    assert len(read_markers(suite_run)) == markers_before + 1
+    for task, status in after.items():
+        if task != SOLVED[3]:
+            assert status == before[task], task
+
+    # --failed reruns the failed trials that ran (memory, timeout), not the done ones.
+    dry = cli_json("resubmit", str(suite_run), "--failed", "--dry-run")
+    assert dry["trials"] == 2
+
+
+def test_a_cancelled_job_is_finished_by_resubmit(debian_sif: Path, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    for name in ("first", "second"):
+        make_task(tasks, name, kind="sleepy", image=str(debian_sif), agent_timeout_sec=60)
+    run_dir = tmp_path / "run"
+    submitted = cli_json(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
+        "--executor", "slurm", "--concurrency", "2", "--tasks-per-job", "2",
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(read_markers(run_dir)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    running = cli_json("status", str(run_dir))
+    assert {s["state"] for s in running} == {"running"}
+    subprocess.run(["scancel", *submitted["job_ids"]], check=True)
+    while queued_slurm_jobs(submitted["job_ids"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    dead = cli_json("status", str(run_dir))
+    assert {(s["state"], s["failure"]) for s in dead} == {("failed", "infrastructure")}
+
+    cli_json("resubmit", str(run_dir), "--wait")
+    done = cli_json("status", str(run_dir))
+    assert {(s["state"], s["reward"]) for s in done} == {("done", 1.0)}
+    old = {s["trial"] for s in dead}
+    assert not old & {s["trial"] for s in done}
+    assert all(RunPaths(run_dir).trial(trial).is_dir() for trial in old)  # kept, not reused
+
+
+def test_a_requeued_job_resumes_its_chunk_without_rerunning_finished_trials(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "a-quick", image=str(debian_sif), agent_timeout_sec=60)
+    make_task(tasks, "b-sleepy", kind="sleepy", image=str(debian_sif), agent_timeout_sec=60)
+    run_dir = tmp_path / "run"
+    submitted = cli_json(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
+        "--executor", "slurm", "--concurrency", "1", "--tasks-per-job", "2",
+    )  # fmt: skip
+    (job,) = submitted["job_ids"]
+    deadline = time.monotonic() + 120
+    while len(read_markers(run_dir)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the quick one is done once the sleepy one has started
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    # Slurm holds a requeued job for two minutes; what is tested here is what happens after.
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    while queued_slurm_jobs([job]) and time.monotonic() < deadline + 120:
+        time.sleep(1)
+    statuses = by_task(cli_json("status", str(run_dir)))
+    assert {t: (s["state"], s["reward"]) for t, s in statuses.items()} == {
+        "a-quick": ("done", 1.0),
+        "b-sleepy": ("done", 1.0),
+    }
+    markers = read_markers(run_dir)
+    assert [m.task for m in markers].count("a-quick") == 1  # never run twice
+    assert [m.task for m in markers].count("b-sleepy") == 2  # cut off, then run again

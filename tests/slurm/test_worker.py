@@ -1,0 +1,39 @@
+"""A requeued element resumes its chunk: finished trials are skipped, cut-off ones rerun."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+from harbor_hpc.results.record import Marker, RunPaths, Unit, write_marker
+from harbor_hpc.slurm.worker import ChunkWorker
+from tests.results.test_classify import harbor_result
+
+
+def test_units_left_after_a_requeue(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    paths = RunPaths(run_dir)
+
+    def started(trial: str, task: str, submission: int, result: dict[str, object] | None) -> None:
+        write_marker(
+            run_dir,
+            Marker(trial, task, 0, submission, "9_0", socket.gethostname(), 1, f"2026-{trial}"),
+        )
+        paths.trial(trial).mkdir(parents=True)
+        if result is not None:
+            (paths.trial(trial) / "result.json").write_text(json.dumps(result))
+
+    solved = harbor_result(tmp_path, rewards={"reward": 1})
+    failed = harbor_result(tmp_path, exception=RuntimeError("agent crashed"))
+    cancelled = harbor_result(tmp_path, exception=asyncio.CancelledError())
+    started("t1", "finished-here", 2, failed)  # failed in this submission: keep
+    started("t2", "cut-off", 2, None)  # killed midway: run again
+    started("t3", "done-before", 1, solved)  # done in an earlier submission: never again
+    started("t4", "failed-before", 1, failed)  # resubmitted with --failed: run again
+    started("t5", "cancelled", 2, cancelled)  # the requeue signal cancelled it: run again
+    names = ("finished-here", "cut-off", "done-before", "failed-before", "cancelled", "new")
+    units = [Unit(t, 0) for t in names]
+    left = ChunkWorker(str(run_dir), submission=2, concurrency=2).units_left(run_dir, units)
+    assert [u.task for u in left] == ["cut-off", "failed-before", "cancelled", "new"]
