@@ -3,14 +3,18 @@
 # Docker Engine, two local registries (open :5000, password :5001), munge + a one-node Slurm,
 # Apptainer 1.4.5, local base images, a folder of wheels for containers, and an env file.
 #
-# Idempotent: every part checks first and reuses what a previous run left when it still works.
+# Idempotent: every part checks first and reuses what a previous run left when it still works,
+# and repairs what it safely can: stopped daemons, stale pid files, another cluster's Slurm state,
+# the munge key's owner and mode, a node left DOWN or DRAINED. A step that still fails says which
+# step, the command, and what its daemons logged meanwhile.
 # The package mirror is read from /etc/apt/sources.list.d/debian.sources at run time.
 #
 # Usage: bash .ci/provision.sh            (everything)
 set -Eeuo pipefail
 shopt -s inherit_errexit
-# Any command that fails without its own message (set -e) says where.
-trap 'echo "[provision] ERROR: line $LINENO: \"$BASH_COMMAND\" failed (exit $?)" >&2' ERR
+# Any command that fails without its own message (set -e) says which step, the command, and
+# what the daemons of that step wrote into their logs meanwhile (see on_error below).
+trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
 
 CI_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_DIR="$(cd "$CI_DIR/.." && pwd)"
@@ -59,9 +63,46 @@ fi
 T_START=$EPOCHREALTIME
 
 log() { echo "[provision] $*"; }
+
+# What a failure reports: the step running (PART), and the lines the logs it watches gained since
+# it began to watch them (a daemon says why it refused to start in its log, not on its stderr).
+PART="setup"
+MAIN_PID=$BASHPID
+declare -A LOG_MARK=()
+# watch_log FILE...: report FILE's new lines if this step fails.
+watch_log() {
+  local f
+  for f; do LOG_MARK[$f]=$(stat -c %s "$f" 2>/dev/null || echo 0); done
+}
+show_logs() {
+  # In a subshell (a $(...) or a background part) only the one line: the main shell, or
+  # bg_wait, reports the rest.
+  [ "$BASHPID" = "$MAIN_PID" ] || return 0
+  local f grew=()
+  for f in "${!LOG_MARK[@]}"; do
+    if (($(stat -c %s "$f" 2>/dev/null || echo 0) > LOG_MARK[$f])); then grew+=("$f"); fi
+  done
+  for f in "${grew[@]}"; do
+    echo "[provision] $f, since this step began:" >&2
+    tail -c +"$((LOG_MARK[$f] + 1))" "$f" | tail -n 25 | sed 's/^/    /' >&2
+  done
+  # None of them said anything new: their last lines, for what led up to this.
+  if [ ${#grew[@]} -eq 0 ]; then
+    for f in "${!LOG_MARK[@]}"; do
+      [ -s "$f" ] || continue
+      echo "[provision] $f (nothing new), its last lines:" >&2
+      tail -n 5 "$f" | sed 's/^/    /' >&2
+    done
+  fi
+}
 die() {
-  echo "[provision] ERROR: $*" >&2
+  echo "[provision] ERROR in step \"$PART\": $*" >&2
+  show_logs
   exit 1
+}
+on_error() { # EXIT-STATUS LINE COMMAND (the ERR trap)
+  echo "[provision] ERROR in step \"$PART\": \"$3\" failed (exit $1, .ci/provision.sh line $2)" >&2
+  show_logs
 }
 elapsed() { # START -> seconds with one decimal
   awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'
@@ -71,6 +112,8 @@ elapsed() { # START -> seconds with one decimal
 timed() {
   local name=$1 start=$EPOCHREALTIME
   shift
+  PART=$name
+  LOG_MARK=()
   PART_NOTE="done"
   "$@"
   log "$(printf '%-22s %6ss  %s' "$name" "$(elapsed "$start")" "$PART_NOTE")"
@@ -84,6 +127,7 @@ bg_start() {
   shift
   (
     start=$EPOCHREALTIME
+    PART=$name
     PART_NOTE="done"
     "$@"
     printf '%s\n' "$(printf '%-22s %6ss  %s' "$name" "$(elapsed "$start")" "$PART_NOTE") (background)" \
@@ -145,13 +189,34 @@ pid_alive() {
   [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
   [ -z "${2:-}" ] || [ "$(cat "/proc/$pid/comm" 2>/dev/null || true)" = "$2" ]
 }
+# stop_pid PIDFILE NAME: stop the NAME whose pid PIDFILE holds (a daemon this script started) and
+# wait until it is gone (daemons remove their pid file before they are); false when none runs.
+stop_pid() {
+  local pid i
+  pid_alive "$1" "$2" || return 1
+  pid=$(cat "$1")
+  kill "$pid" 2>/dev/null || return 0 # gone meanwhile
+  for ((i = 0; i < 120; i++)); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.25; done
+  die "$2 (pid $pid from $1) did not stop within 30 s"
+}
+# clear_stale_pidfile PIDFILE NAME: remove a pid file whose NAME is gone. dockerd refuses to start
+# beside one, and slurmctld and slurmd kill the pid they find there, whoever has it now.
+clear_stale_pidfile() {
+  if [ -e "$1" ] && ! pid_alive "$1" "$2"; then
+    rm -f "$1"
+    log "removed the stale pid file $1 (no $2 runs with its pid)"
+  fi
+}
 
 
 # ----------------------------------------------------------------------------------------------
 # 1. apt packages
 part_apt() {
   local p missing=()
-  if ! python3 -m pip --version >/dev/null 2>&1; then APT_PKGS+=(python3-pip); fi
+  # pip for the python3 that downloads the wheels (part 7, from /); a find_spec costs no pip import.
+  if ! (cd / && python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("pip") is None)') >/dev/null 2>&1; then
+    APT_PKGS+=(python3-pip)
+  fi
   # One dpkg-query for all: "name status" for each package dpkg knows.
   local -A status=()
   local name st
@@ -184,11 +249,9 @@ part_docker() {
     PART_NOTE="reused (daemon answering)"
     return 0
   fi
+  watch_log "$LOGS/dockerd.log"
   if ! pgrep -x dockerd >/dev/null; then
-    # A pid file left by a daemon that is gone makes dockerd refuse to start.
-    if [ -f /var/run/docker.pid ] && ! kill -0 "$(cat /var/run/docker.pid)" 2>/dev/null; then
-      rm -f /var/run/docker.pid
-    fi
+    clear_stale_pidfile /run/docker.pid dockerd
     setsid -f dockerd >>"$LOGS/dockerd.log" 2>&1 </dev/null 9>&-
     PART_NOTE="started dockerd (log $LOGS/dockerd.log)"
   else
@@ -207,21 +270,19 @@ part_registries() {
   if [ ! -s "$dir/htpasswd" ] || ! htpasswd -vb "$dir/htpasswd" "$AUTH_USER" "$AUTH_PASSWORD" >/dev/null 2>&1; then
     htpasswd -Bbc "$dir/htpasswd" "$AUTH_USER" "$AUTH_PASSWORD" >/dev/null 2>&1
   fi
-  local name port want pidf pid i code
+  local name port want pidf code
   for name in open auth; do
     if [ "$name" = open ]; then port=5000 want=200; else port=5001 want=401; fi
     pidf=$dir/$name.pid
     if ! cmp -s "$CI_DIR/registry/$name.yml" "$dir/$name.yml"; then
       install -m 644 "$CI_DIR/registry/$name.yml" "$dir/$name.yml"
       # A registry this script started with another configuration: stop it by its pid.
-      if pid_alive "$pidf" docker-registry; then
-        pid=$(cat "$pidf")
-        kill "$pid"
-        for ((i = 0; i < 40; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-        started+=("(config changed)")
-      fi
+      if stop_pid "$pidf" docker-registry; then started+=("(config changed)"); fi
     fi
     if registry_answers "$port" "$want"; then continue; fi
+    watch_log "$LOGS/registry-$name.log"
+    # Ours, yet not answering (hung, or still failing to listen): it goes, a new one starts.
+    if stop_pid "$pidf" docker-registry; then started+=("(stopped $name: not answering)"); fi
     code=$(http_code "http://127.0.0.1:$port/v2/")
     if [ "$code" != 000 ]; then
       die "127.0.0.1:$port answers /v2/ with HTTP $code, not $want: something else holds the port"
@@ -252,9 +313,27 @@ slurm_node_usable() {
   esac
 }
 slurmctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
+# slurm_conf KEY: KEY's value in the rendered slurm.conf (keys are case-insensitive there).
+slurm_conf() { awk -F= -v k="$1" 'tolower($1) == tolower(k) { print $2; exit }' /etc/slurm/slurm.conf; }
+# Another cluster's state in StateSaveLocation makes slurmctld refuse to start ("CLUSTER NAME
+# MISMATCH"). On this single-purpose test machine none of it is ours: move it aside (kept, so
+# nothing is lost) and start with an empty state.
+move_foreign_slurm_state() {
+  local dir cluster found aside
+  dir=$(slurm_conf StateSaveLocation)
+  cluster=$(slurm_conf ClusterName)
+  [ -s "$dir/clustername" ] || return 1
+  found=$(tr -d '[:space:]' <"$dir/clustername")
+  [ "$found" != "$cluster" ] || return 1
+  aside="$dir.$found.$(date +%Y%m%d-%H%M%S)"
+  mv "$dir" "$aside"
+  install -d -m 755 "$dir"
+  log "slurmctld's state in $dir belongs to cluster $found, not $cluster: moved it to $aside"
+}
 
 part_slurm() {
   local notes=()
+  watch_log /var/log/munge/munged.log /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log
   # munge
   install -d -o munge -g munge -m 700 /etc/munge /var/lib/munge /var/log/munge
   install -d -o munge -g munge -m 755 /run/munge
@@ -262,11 +341,17 @@ part_slurm() {
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
     notes+=("new munge key")
   fi
-  chown munge:munge /etc/munge/munge.key
-  chmod 400 /etc/munge/munge.key
+  # munged refuses a key that others may read, or that is not its own.
+  if [ "$(stat -c '%U:%G %a' /etc/munge/munge.key)" != "munge:munge 400" ]; then
+    chown munge:munge /etc/munge/munge.key
+    chmod 400 /etc/munge/munge.key
+    notes+=("munge key owner/mode fixed")
+  fi
   if munge_ok; then
     notes+=("munged reused")
   else
+    # One that runs but does not answer holds the socket's lock: it goes first.
+    if stop_pid /run/munge/munged.pid munged; then notes+=("stopped a munged not answering"); fi
     runuser -u munge -- /usr/sbin/munged --force 9>&-
     wait_for 20 "munged" munge_ok
     notes+=("munged started")
@@ -293,46 +378,58 @@ part_slurm() {
 
   if [ "$changed" = 1 ]; then
     # Our own daemons from an earlier run with another configuration: stop them by pid.
-    local pf pid i
-    for pf in /run/slurmd.pid /run/slurmctld.pid; do
-      if pid_alive "$pf" "$(basename "$pf" .pid)"; then
-        pid=$(cat "$pf")
-        kill "$pid"
-        notes+=("restarting $(basename "$pf" .pid) for the new slurm.conf")
-        # Wait for the process itself: the daemon removes its pid file before it is gone.
-        for ((i = 0; i < 120; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
-        kill -0 "$pid" 2>/dev/null && die "$(basename "$pf" .pid) (pid $pid) did not stop"
-      fi
+    local name
+    for name in slurmd slurmctld; do
+      if stop_pid "/run/$name.pid" "$name"; then notes+=("restarting $name for the new slurm.conf"); fi
     done
   fi
   if slurmctld_up; then
     notes+=("slurmctld reused")
   else
+    clear_stale_pidfile /run/slurmctld.pid slurmctld
+    if move_foreign_slurm_state; then
+      notes+=("another cluster's state moved aside")
+      # A controller with no state learns of the node when its slurmd registers: make that now,
+      # not at the next ping (20 s on).
+      stop_pid /run/slurmd.pid slurmd || true
+    fi
     slurmctld -i 9>&-
-    wait_for 30 "slurmctld" slurmctld_up
+    wait_for 30 "slurmctld (scontrol ping)" slurmctld_up
     notes+=("slurmctld started")
   fi
   if pid_alive /run/slurmd.pid slurmd; then
     notes+=("slurmd reused")
   else
+    clear_stale_pidfile /run/slurmd.pid slurmd
     slurmd 9>&-
     notes+=("slurmd started")
   fi
-  # Wait for the node; resume it when it is DOWN or DRAINED.
-  local i state
+  # Wait for the node; resume it when it is DOWN or DRAINED (a test cluster has no admin who
+  # drained it on purpose).
+  local i state reason resumed=""
   for ((i = 0; i < 120; i++)); do
     state=$(slurm_node_state)
     # slurmd gone (it exits when it cannot register): start it again, now and then.
-    if ((i % 10 == 9)) && ! pgrep -x slurmd >/dev/null; then slurmd 9>&- || true; fi
+    if ((i % 10 == 9)) && ! pgrep -x slurmd >/dev/null; then
+      clear_stale_pidfile /run/slurmd.pid slurmd
+      slurmd 9>&- || true
+    fi
     case "$state" in
       idle | mix | alloc | comp) break ;;
       down* | drain* | drng* | fail*)
-        scontrol update nodename="$SLURM_HOST" state=resume >/dev/null 2>&1 || true
+        reason=$(sinfo -h -N -n "$SLURM_HOST" -o '%E' 2>/dev/null | head -n 1)
+        if scontrol update nodename="$SLURM_HOST" state=resume >/dev/null 2>&1 && [ -z "$resumed" ]; then
+          resumed="node resumed from $state ($reason)"
+          notes+=("$resumed")
+        fi
         ;;
     esac
     sleep 0.5
   done
-  slurm_node_usable || die "Slurm node $SLURM_HOST is '$state' (see /var/log/slurm/)"
+  if ! slurm_node_usable; then
+    reason=$(sinfo -h -N -n "$SLURM_HOST" -o '%E' 2>/dev/null | head -n 1)
+    die "Slurm node $SLURM_HOST is still '${state:-unknown}' after 60 s${reason:+ ($reason)}"
+  fi
   # A job end to end, unless everything was already running (then the node may be busy with
   # someone's jobs, and a test job would have to wait for them).
   local checked="no test job (all reused)"

@@ -3,12 +3,18 @@
 #   build (Docker) -> convert (.sif store) -> rewrite --sif -> submit (Slurm, oracle) -> status -> export
 # It works on a copy of examples/tasks in WORK (first argument, default ./quickstart), so the
 # bundled tasks stay as they are. Run it again: every step does only what is left.
+#
+# The examples build FROM a public Debian image with python3 (their Dockerfiles' ARG BASE_IMAGE).
+# A machine that cannot pull it (offline, like CI) names one it has in HARBOR_HPC_BASE_IMAGE;
+# the value is part of the images' content hash, so each base makes images of its own.
 set -euo pipefail
 
 WORK=${1:-quickstart}
 REGISTRY=${HARBOR_HPC_REGISTRY:-localhost:5000/harbor-hpc-examples}
 EXAMPLES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tasks
 
+base=()
+if [ -n "${HARBOR_HPC_BASE_IMAGE:-}" ]; then base=(--build-arg "BASE_IMAGE=$HARBOR_HPC_BASE_IMAGE"); fi
 # A registry on this machine speaks plain HTTP; Apptainer has to be told so.
 nohttps=()
 case $REGISTRY in localhost:* | 127.0.0.1:*) nohttps=(--nohttps) ;; esac
@@ -17,7 +23,13 @@ mkdir -p "$WORK"
 rm -rf "$WORK/tasks"
 cp -r "$EXAMPLES" "$WORK/tasks"
 
-harbor-hpc build "$WORK/tasks" --registry "$REGISTRY" --manifest "$WORK/manifest.json"
+if ! harbor-hpc build "$WORK/tasks" --registry "$REGISTRY" --manifest "$WORK/manifest.json" "${base[@]}"; then
+  if [ ${#base[@]} -eq 0 ]; then
+    echo "quickstart: if the public base image could not be pulled here, set" \
+      "HARBOR_HPC_BASE_IMAGE to a Debian image with python3 that this machine has" >&2
+  fi
+  exit 1
+fi
 harbor-hpc convert --manifest "$WORK/manifest.json" --cache-dir "$WORK/sif" "${nohttps[@]}"
 harbor-hpc rewrite "$WORK/tasks" --manifest "$WORK/manifest.json" --sif
 harbor-hpc submit "$WORK/tasks" --agent oracle --run-dir "$WORK/run" --cache-dir "$WORK/sif" --wait

@@ -14,24 +14,34 @@ import io
 import os
 import shutil
 import stat
-import subprocess
 import tempfile
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import pytest
 
 from harbor_hpc import doctor
-from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.fetch.hub import Hub
+from tests.support.fake_slurm import BIN as FAKE_SLURM_BIN
+from tests.support.fake_slurm import FakeSlurm
 from tests.support.fakehub import FakeHub
 from tests.support.hub_data import ARCHIVES, REPO_ID, write_task_archive
-from tests.support.images import RECORDER, TINY_DOCKERFILE, Recorder, TinyImage
+from tests.support.images import (
+    RECORDER,
+    SLIM_DOCKERFILE,
+    SLIM_TAG,
+    TINY_DOCKERFILE,
+    Recorder,
+    TinyImage,
+    build_debian_sif,
+    build_fidelity_sif,
+)
 from tests.support.users import other_user_problem
 
 PARTS = ("docker", "registry", "slurm", "apptainer", "other_user")
@@ -77,29 +87,84 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # -- images ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def shared_dir() -> Iterator[Path]:
-    """A world-readable scratch folder (pytest's own is private), for what the other local
-    user must be able to run too."""
+@cache
+def _shared_folder() -> Path:
     folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-test-"))
     folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
-def debian_sif(shared_dir: Path) -> Path:
+def shared_dir() -> Path:
+    """A world-readable scratch folder (pytest's own is private), for what the other local
+    user must be able to run too. Removed at the end of the session."""
+    return _shared_folder()
+
+
+# Two images take 10-15 s of CPU each to build (the base image's .sif, and a published task's
+# image for tests/e2e/test_docker_fidelity.py), while most tests mostly wait (on timeouts,
+# subprocesses, Slurm). Each is built in the background from the moment the session knows
+# that a selected test needs it, in the order the tests need them, at the lowest CPU priority:
+# the tests running meanwhile keep the processors they use.
+_AHEAD: dict[str, Callable[..., Path]] = {
+    "debian_sif": build_debian_sif,
+    "fidelity_sif": build_fidelity_sif,
+}
+_builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images-ahead")
+_built: dict[str, Future[Path]] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    used = (name for item in session.items for name in getattr(item, "fixturenames", ()))
+    wanted = dict.fromkeys(name for name in used if name in _AHEAD)
+    if wanted and missing("apptainer") is None and missing("docker") is None:
+        env = dict(os.environ)  # as it is now: tests change os.environ while the builds run
+        for name in wanted:
+            _built[name] = _builder.submit(_AHEAD[name], _shared_folder(), env, background=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _builder.shutdown(wait=True, cancel_futures=True)
+    if _shared_folder.cache_info().currsize:
+        shutil.rmtree(_shared_folder(), ignore_errors=True)
+
+
+def built_ahead(name: str) -> Path:
+    """The image `name` of _AHEAD, built ahead; or now, when the session did not start it."""
+    if name in _built:
+        return _built[name].result()
+    return _AHEAD[name](_shared_folder(), os.environ, background=False)
+
+
+@pytest.fixture(scope="session")
+def debian_sif() -> Path:
     """The test base image (python3 included) as a .sif, from the local Docker daemon: built
     once per session, readable by every local user."""
-    image = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
-    sif = shared_dir / "debian.sif"
-    subprocess.run(
-        [find_apptainer(), "build", "-F", str(sif), f"docker-daemon://{image}"],
-        check=True,
-        capture_output=True,
+    return built_ahead("debian_sif")
+
+
+@pytest.fixture(scope="session")
+def fidelity_sif() -> Path:
+    """A published task's image as a .sif (tests/support/images.py FIDELITY_DOCKERFILE)."""
+    return built_ahead("fidelity_sif")
+
+
+@pytest.fixture(scope="session")
+def slim_image() -> str:
+    """The test image without python3, less its documentation, locales and perl: 60 MB with
+    bash and coreutils, for tests that convert images from the registry (a third of the time
+    of the 170 MB base). Kept in Docker under a fixed tag, so that later sessions find it built."""
+    import docker
+
+    client = docker.from_env()
+    base = os.environ.get("HARBOR_HPC_TEST_NOPY_IMAGE", "local/debian-nopython:bookworm")
+    client.images.build(
+        fileobj=io.BytesIO(SLIM_DOCKERFILE.format(base=base).encode()), tag=SLIM_TAG, rm=True
     )
-    sif.chmod(0o755)
-    return sif
+    client.close()
+    return SLIM_TAG
 
 
 @pytest.fixture(scope="session")
@@ -165,6 +230,20 @@ def recorder(tmp_path: Path) -> Recorder:
     binary.write_text(RECORDER.format(log=log, real=real))
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     return Recorder(binary, log)
+
+
+# -- Slurm commands that answer what the test says ---------------------------------------
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
+    """sbatch, squeue, sinfo and scontrol first on PATH, for this process and the CLI it runs:
+    each prints nothing and succeeds until `answer` says otherwise."""
+    fake = FakeSlurm(tmp_path / "fake-slurm")
+    fake.state.mkdir()
+    monkeypatch.setenv("PATH", f"{FAKE_SLURM_BIN}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM", str(fake.state))
+    return fake
 
 
 # -- a Hugging Face hub on loopback ------------------------------------------------------

@@ -12,7 +12,9 @@ import pytest
 
 from harbor_hpc import doctor
 from harbor_hpc.core.proc import run
-from harbor_hpc.doctor import Role, Status
+from harbor_hpc.doctor import Part, Role, Status
+from harbor_hpc.slurm import probes as slurm_probes
+from harbor_hpc.slurm.cluster import parse_partitions
 from tests.support.users import other_user_command
 
 
@@ -110,13 +112,13 @@ def test_part_problem_names_the_missing_piece(
 def test_cache_dir_that_cannot_be_a_folder_warns(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    [check] = doctor.probe_cache(blocker / "sif")
+    [check] = doctor.probe_part(Part.CACHE, blocker / "sif")
     assert check.status is Status.WARN
     assert "not a folder" in check.detail and "--cache-dir" in check.fix
 
 
 def test_cache_dir_to_be_created_is_fine(tmp_path: Path) -> None:
-    [check] = doctor.probe_cache(tmp_path / "a" / "b")
+    [check] = doctor.probe_part(Part.CACHE, tmp_path / "a" / "b")
     assert check.status is Status.OK and "will be created" in check.detail
 
 
@@ -141,12 +143,12 @@ def test_a_tool_that_cannot_run_is_a_finding(tmp_path: Path) -> None:
     ],
 )
 def test_partitions_need_a_node_that_can_run_jobs(sinfo: str, status: Status) -> None:
-    assert doctor.judge_partitions(sinfo).status is status
+    assert slurm_probes.judge_partitions(parse_partitions(sinfo)).status is status
 
 
 @pytest.mark.slurm
 def test_slurm_here_is_reachable_with_partitions() -> None:
-    checks = {check.name: check for check in doctor.probe_slurm()}
+    checks = {check.name: check for check in slurm_probes.findings()}
     assert checks["controller"].status is Status.OK
     partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION", "")
     assert partition in checks["partitions"].detail
@@ -163,33 +165,15 @@ def test_slurm_controller_down_says_to_start_it(
         "AuthType=auth/munge\nNodeName=localhost CPUs=1\nPartitionName=x Nodes=localhost\n"
     )
     monkeypatch.setenv("SLURM_CONF", str(conf))
-    checks = {check.name: check for check in doctor.probe_slurm()}
+    checks = {check.name: check for check in slurm_probes.findings()}
     assert checks["controller"].status is Status.MISSING
     assert "slurmctld" in checks["controller"].fix
 
 
 @pytest.mark.docker
-def test_docker_engine_answers() -> None:
-    [check] = doctor.probe_docker()
+def test_docker_engine_answers(tmp_path: Path) -> None:
+    [check] = doctor.probe_part(Part.DOCKER, tmp_path)
     assert check.status is Status.OK and "API" in check.detail
-
-
-@pytest.mark.apptainer
-def test_apptainer_runs_the_probe_image_built_into_the_cache(tmp_path: Path) -> None:
-    checks = {check.name: check for check in doctor.probe_apptainer(tmp_path)}
-    assert checks["run an image"].status is Status.OK, checks["run an image"].detail
-    assert list((tmp_path / ".doctor").glob("probe-*.sif"))
-    again = {check.name: check for check in doctor.probe_apptainer(tmp_path)}
-    assert again["run an image"].status is Status.OK
-
-
-@pytest.mark.apptainer
-def test_apptainer_with_a_read_only_cache_still_proves_exec(tmp_path: Path) -> None:
-    # A regular file where the cache should be: nothing can be kept, a temporary image is used.
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    checks = {check.name: check for check in doctor.probe_apptainer(blocker)}
-    assert checks["run an image"].status is Status.OK, checks["run an image"].detail
 
 
 @pytest.mark.docker

@@ -56,12 +56,12 @@ from harbor_hpc.apptainer.errors import (
     UnsupportedTask,
 )
 from harbor_hpc.apptainer.network import RESOLV_CONF, OwnNetwork, own_network_problem
+from harbor_hpc.apptainer.probes import install_problem
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
-    container_flags,
-    find_apptainer,
     remove_private_dir,
     run_flags,
+    task_container_command,
 )
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.watchdog import (
@@ -239,11 +239,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     @classmethod
     @override
     def preflight(cls) -> None:
-        """Before Harbor queues any trial: is there an Apptainer to run them with?"""
-        try:
-            find_apptainer()
-        except HarborHpcError as exc:
-            raise SystemExit(f"{exc.message}; {exc.hint}") from exc
+        """Before Harbor queues any trial: is there an Apptainer that starts, to run them with?"""
+        problem = install_problem()
+        if problem is not None:
+            raise SystemExit(problem)
 
     @override
     def _validate_definition(self) -> None:
@@ -379,28 +378,15 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             if mount.get("type", "bind") == "bind" and mount.get("source") and mount.get("target"):
                 mode = ":ro" if mount.get("read_only") else ""
                 binds += ["-B", f"{mount['source']}:{mount['target']}{mode}"]
-        return [
-            find_apptainer(),
-            "exec",
-            *flags,
-            *container_flags(
-                overlay=self._private_dir / "overlay",
-                own_network=self._no_network or self._own_network,
-                no_mount=self._no_mount,
-            ),
-            "--pwd",
-            "/",
-            "--env",
-            f"HARBOR_STAGING={ENV_FILES}",
-            *binds,
-            str(self.sif_path),
-            "/bin/sh",
-            "-c",
-            LAUNCHER,
-            "harbor-hpc-server",
-            SERVER_DIR,
-            self.workdir,
-        ]
+        return task_container_command(
+            self.sif_path,
+            flags,
+            ["/bin/sh", "-c", LAUNCHER, "harbor-hpc-server", SERVER_DIR, self.workdir],
+            overlay=self._private_dir / "overlay",
+            own_network=self._no_network or self._own_network,
+            no_mount=self._no_mount,
+            options=["--env", f"HARBOR_STAGING={ENV_FILES}", *binds],
+        )
 
     async def _launch(self, flags: tuple[str, ...]) -> None:
         assert self._private_dir is not None

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.proc import Ran, run
 
 BINARIES = ("apptainer", "singularity")
 
-# A probe is one `exec` of `/bin/sh -c true`; a minute means a hung FUSE mount or a wedged
-# starter, not a slow image.
+# A probe is one `exec` of a shell; a minute means a hung FUSE mount or a wedged starter, not
+# a slow image.
 PROBE_TIMEOUT_S = 60.0
 
 
@@ -73,18 +74,38 @@ def run_flags(sif: Path, *, fakeroot: bool = False) -> tuple[str, ...]:
     if last is not None and last in candidates:
         candidates.remove(last)
         candidates.insert(0, last)
-    errors = []
-    for flags in candidates:
-        problem = _probe(sif, flags)
-        if problem is None:
-            with _last_working_guard:
-                _last_working = flags
-            return flags
-        errors.append(f"{' '.join(flags) or '(no flags)'}: {problem}")
+    flags, failures = first_that_runs(sif, candidates)
+    if flags is not None:
+        with _last_working_guard:
+            _last_working = flags
+        return flags
     raise HarborHpcError(
-        f"apptainer cannot run {sif} here:\n  " + "\n  ".join(errors),
+        f"apptainer cannot run {sif} here:\n  "
+        + "\n  ".join(f"{' '.join(tried) or '(no flags)'}: {why}" for tried, why in failures),
         hint=(FAKEROOT_HINT if fakeroot else "")
         + "; `harbor-hpc doctor` shows what is missing (user namespaces, subuid, /dev/fuse)",
+    )
+
+
+def first_that_runs(
+    sif: Path, candidates: Sequence[tuple[str, ...]]
+) -> tuple[tuple[str, ...] | None, list[tuple[tuple[str, ...], str]]]:
+    """The first flag set of `candidates` with which `sif` runs (None if none does), and why
+    each one tried before it failed."""
+    failures: list[tuple[tuple[str, ...], str]] = []
+    for flags in candidates:
+        attempt = try_exec(sif, flags)
+        if attempt.ok:
+            return flags, failures
+        failures.append((flags, attempt.why()))
+    return None, failures
+
+
+def try_exec(sif: Path, flags: Sequence[str], script: str = "true") -> Ran:
+    """`exec` of a shell `script` in `sif` with `flags`: the probe behind every choice here."""
+    return run(
+        [find_apptainer(), "exec", *flags, str(sif), "/bin/sh", "-c", script],
+        timeout=PROBE_TIMEOUT_S,
     )
 
 
@@ -116,21 +137,30 @@ def container_flags(
     return flags
 
 
-def _probe(sif: Path, flags: tuple[str, ...]) -> str | None:
-    """None when `exec` of a no-op shell in `sif` with `flags` works, else why not."""
-    try:
-        result = subprocess.run(
-            [find_apptainer(), "exec", *flags, str(sif), "/bin/sh", "-c", "true"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=PROBE_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return f"no answer within {PROBE_TIMEOUT_S:.0f} s"
-    if result.returncode == 0:
-        return None
-    return result.stderr.strip()[-300:] or f"exit status {result.returncode}"
+def task_container_command(
+    sif: Path,
+    flags: Sequence[str],
+    command: Sequence[str],
+    *,
+    overlay: Path,
+    own_network: bool,
+    no_mount: str = DEFAULT_NO_MOUNT,
+    options: Sequence[str] = (),
+) -> list[str]:
+    """`apptainer exec` of `command` in a task's container: `flags` from `run_flags`, the
+    isolation of `container_flags`, then `options` (binds, --env). The environment starts every
+    task this way and `harbor-hpc doctor` proves it works, so the two never drift apart."""
+    return [
+        find_apptainer(),
+        "exec",
+        *flags,
+        *container_flags(overlay=overlay, own_network=own_network, no_mount=no_mount),
+        "--pwd",
+        "/",
+        *options,
+        str(sif),
+        *command,
+    ]
 
 
 def remove_private_dir(folder: Path) -> bool:
@@ -142,10 +172,8 @@ def remove_private_dir(folder: Path) -> bool:
     """
     shutil.rmtree(folder, ignore_errors=True)
     if folder.exists() and shutil.which("unshare"):
-        subprocess.run(
+        run(
             ["unshare", "--map-root-user", "--map-auto", "rm", "-rf", "--", str(folder)],
-            capture_output=True,
-            check=False,
             timeout=300,
         )
     return not folder.exists()

@@ -34,12 +34,11 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import tarfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,66 +46,22 @@ from typing import TYPE_CHECKING
 from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
+from harbor_hpc.core.proc import run
+from harbor_hpc.images.reference import DIGEST, Reference
 
 if TYPE_CHECKING:
     from harbor_hpc.images.registry import Registry
 
 log = logging.getLogger(__name__)
 
-DOCKER_HUB = "registry-1.docker.io"
-_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TRUE = {"1", "true", "yes", "on"}
+# A pull or build of the largest task images over a slow link; past this, something hangs.
+CONVERT_TIMEOUT_S = 3 * 3600.0
 
 
 def nohttps_default() -> bool:
     """Whether APPTAINER_NOHTTPS asks for plain HTTP to registries (off unless set)."""
     return os.environ.get("APPTAINER_NOHTTPS", "").strip().lower() in _TRUE
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A registry image reference split into the parts the registry's v2 API needs."""
-
-    registry: str
-    repository: str
-    tag: str | None
-    digest: str | None
-
-    @classmethod
-    def parse(cls, text: str) -> Reference:
-        rest = text.removeprefix("docker://")
-        digest = None
-        if "@" in rest:
-            rest, digest = rest.split("@", 1)
-            if not _DIGEST.match(digest):
-                raise InputError(
-                    f"{text}: {digest!r} is not a sha256 digest",
-                    hint="write a reference as REGISTRY/NAMESPACE/NAME@sha256:<64 hex digits>",
-                )
-        tag = None
-        last = rest.rsplit("/", 1)[-1]
-        if ":" in last:
-            rest, tag = rest.rsplit(":", 1)
-        if not rest:
-            raise InputError(f"{text!r} is not an image reference")
-        first, _, remainder = rest.partition("/")
-        if remainder and ("." in first or ":" in first or first == "localhost"):
-            registry, repository = first, remainder
-        else:
-            registry, repository = DOCKER_HUB, rest if "/" in rest else f"library/{rest}"
-        if not re.fullmatch(r"[a-z0-9]+(?:[._/-][a-z0-9]+)*", repository):
-            raise InputError(
-                f"{text!r} is not an image reference (bad repository name {repository!r})",
-                hint="names are lowercase, e.g. localhost:5000/ns/name@sha256:...",
-            )
-        if tag is None and digest is None:
-            tag = "latest"
-        return cls(registry, repository, tag, digest)
-
-    @property
-    def pinned(self) -> str:
-        """`docker://` URI fixed to the digest (which must be known)."""
-        return f"docker://{self.registry}/{self.repository}@{self.digest}"
 
 
 @dataclass(frozen=True)
@@ -136,7 +91,7 @@ def parse_source(source: str, *, nohttps: bool) -> Source:
     if ref.digest is None:
         # Pinned to what the tag names now, so the file's name and content agree even if the
         # tag moves during the conversion.
-        ref = Reference(ref.registry, ref.repository, ref.tag, resolve_digest(ref, nohttps=nohttps))
+        ref = replace(ref, digest=resolve_digest(ref, nohttps=nohttps))
     return Source(ref.pinned, _digest_name(ref.digest or ""), build=False)
 
 
@@ -279,10 +234,11 @@ def _convert(parsed: Source, source: str, final: Path, *, use_http: bool) -> Non
     started = time.monotonic()
     log.info("converting %s -> %s", source, final.name)
     try:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if result.returncode != 0 or not partial.is_file():
+        result = run(command, timeout=CONVERT_TIMEOUT_S, env=env)
+        if not result.ok or not partial.is_file():
+            said = result.error or _apptainer_error(result.stderr)
             raise HarborHpcError(
-                f"{source}: apptainer {verb} failed: {_apptainer_error(result.stderr)}",
+                f"{source}: apptainer {verb} failed: {said}",
                 hint=_failure_hint(result.stderr, use_http=use_http),
             )
         run_flags(partial)  # raises, naming each attempt, when the new image does not run
@@ -383,11 +339,11 @@ def _archive_name(archive: Path) -> str:
 def resolve_digest(ref: Reference, *, nohttps: bool) -> str:
     """The digest a tag points at now, asked of the registry's v2 API with the credentials
     Apptainer will use (APPTAINER_DOCKER_USERNAME/PASSWORD, else the user's `docker login`)."""
-    registry = _apptainer_registry(ref.registry, plain_http=nohttps)
+    registry = _apptainer_registry(ref.host, plain_http=nohttps)
     digest = registry.manifest_digest(ref.repository, ref.tag or "latest")
-    if digest is None or not _DIGEST.match(digest):
+    if digest is None or not DIGEST.match(digest):
         raise HarborHpcError(
-            f"{ref.registry}/{ref.repository}:{ref.tag}: no such image or tag in the registry",
+            f"{ref}: no such image or tag in the registry",
             hint="check the reference, or push the image (`harbor-hpc build`)",
         )
     return digest

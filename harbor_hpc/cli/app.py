@@ -1,8 +1,9 @@
 """The typer app and what every subcommand shares: options with one meaning, output, config.
 
 Subcommands live one module per step next to this file; each is a thin function that parses
-options, calls the module that does the work, and prints the result (a rich table, or JSON on
-stdout with `--json`). Messages and progress go to stderr so that `--json` output stays clean.
+options, calls the module that does the work, and prints its typed result with `render` (a rich
+table, or with `--json` the result's `to_json()` on stdout). Messages and progress go to stderr
+so that `--json` output stays clean.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from functools import cache
 from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import typer
 from rich.console import Console
@@ -132,6 +134,22 @@ def verbosity() -> int:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+class JsonResult(Protocol):
+    """A subcommand's typed result: what it shows people, and `to_json()` for scripts."""
+
+    def to_json(self) -> Any: ...
+
+
+def render[R: JsonResult](result: R, *, json: bool, show: Callable[[R], None]) -> None:
+    """Print a subcommand's result: `--json` prints `result.to_json()` on stdout, else `show`
+    prints it for people. One object behind both, so scripts and people never see different
+    results; warnings and errors go to stderr (`warn`, `console`) before or after."""
+    if json:
+        print_json(result.to_json())
+    else:
+        show(result)
 
 
 def progress() -> Progress:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -28,16 +27,15 @@ from harbor_hpc.cli.app import (
     stdout,
 )
 from harbor_hpc.core.config import cache_dir as default_store
-from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm.convert import (
-    ImageConversion,
+    ConversionArray,
+    ConversionState,
+    ConvertReport,
+    ConvertRequest,
     SlurmOptions,
-    SourceKind,
-    plan_conversions,
-    run_conversions,
+    convert_images,
+    parse_source,
 )
-
-SOURCES: tuple[SourceKind, ...] = ("registry", "docker-daemon")
 
 
 @app.command()
@@ -96,66 +94,49 @@ def convert(
     Example: harbor-hpc convert --manifest manifest.json --cache-dir /scratch/$USER/sif --slurm
     """
     config = setup(verbose)
-    manifest_file = manifest_path(manifest)
-    if source not in SOURCES:
-        raise InputError(f"--source {source!r} is not one of: {', '.join(SOURCES)}")
-    if slurm and source == "docker-daemon":
-        raise InputError(
-            "--source docker-daemon reads this machine's Docker, which compute nodes lack",
-            hint="push the images (`harbor-hpc build`) and convert from the registry with --slurm",
+    request = ConvertRequest(
+        manifest=manifest_path(manifest),
+        store=default_store(cache_dir, config),
+        source=parse_source(source),
+        nohttps=True if nohttps else config.pick("nohttps", None, None),
+        force=force,
+        jobs=config.pick("jobs", jobs, 2),
+        slurm=SlurmOptions(
+            partition=config.pick("partition", partition, None),
+            account=config.pick("account", account, None),
+            qos=config.pick("qos", qos, None),
+            # Not the config's time_min: that one sizes trials, not conversions.
+            time_min=time_min or 60,
+            array_parallelism=config.pick("array_parallelism", None, None),
         )
-    store = default_store(cache_dir, config)
-    use_http = True if nohttps else config.pick("nohttps", None, None)
-    kind: SourceKind = "docker-daemon" if source == "docker-daemon" else "registry"
-    planned = plan_conversions(manifest_file, store, source=kind, nohttps=use_http, force=force)
-    if not dry_run:
-        slurm_options = None
-        log_dir = store.expanduser().absolute() / ".slurm"
-        if slurm:
-            slurm_options = SlurmOptions(
-                log_dir=log_dir,
-                partition=config.pick("partition", partition, None),
-                account=config.pick("account", account, None),
-                qos=config.pick("qos", qos, None),
-                # Not the config's time_min: that one sizes trials, not conversions.
-                time_min=time_min or 60,
-                array_parallelism=config.pick("array_parallelism", None, None),
-            )
-        todo = sum(c.state == "to convert" for c in planned)
-        with progress() as bar:
-            task = bar.add_task("converting", total=todo, current="")
-            run_conversions(
-                manifest_file,
-                planned,
-                store,
-                jobs=config.pick("jobs", jobs, 2),
-                nohttps=use_http,
-                force=force,
-                slurm=slurm_options,
-                on_done=lambda c: bar.update(task, advance=1, current=c.image),
-                on_submitted=lambda job: info(
-                    f"Slurm array job {job}: {todo} image(s), logs in {log_dir}"
-                ),
-            )
-    _report(planned, store, json=json, dry_run=dry_run)
-    if any(c.state == "failed" for c in planned):
+        if slurm
+        else None,
+        dry_run=dry_run,
+    )
+    with progress() as bar:
+        # Shown once there is work: a dry run converts nothing.
+        task = bar.add_task("converting", total=None, current="", visible=False)
+
+        def submitted(array: ConversionArray) -> None:
+            info(f"Slurm array job {array.job}: {array.images} image(s), logs in {array.log_dir}")
+
+        report = convert_images(
+            request,
+            on_planned=lambda todo: bar.update(task, total=todo, visible=True),
+            on_done=lambda c: bar.update(task, advance=1, current=c.image),
+            on_submitted=submitted,
+        )
+    _report(report, json=json)
+    if report.failed:
         raise typer.Exit(1)
 
 
-def _report(planned: list[ImageConversion], store: Path, *, json: bool, dry_run: bool) -> None:
-    counts = {state: sum(c.state == state for c in planned) for state in _STATES}
+def _report(report: ConvertReport, *, json: bool) -> None:
     if json:
-        print_json(
-            {
-                "cache_dir": str(store),
-                "dry_run": dry_run,
-                **{state.replace(" ", "_"): count for state, count in counts.items()},
-                "images": [c.to_json() for c in planned],
-            }
-        )
+        print_json(report.to_json())
         return
-    for conversion in planned:
-        if conversion.state == "failed":
+    for conversion in report.images:
+        if conversion.state is ConversionState.FAILED:
             console.print(
                 # Apptainer's output and task names are text, not markup (see `warn`).
                 f"[red bold]failed:[/] {conversion.image} (tasks: "
@@ -164,10 +145,8 @@ def _report(planned: list[ImageConversion], store: Path, *, json: bool, dry_run:
             )
             if conversion.hint:
                 console.print(f"  [dim]hint:[/] {escape(conversion.hint)}", highlight=False)
-        elif dry_run and conversion.state == "to convert":
+        elif report.dry_run and conversion.state is ConversionState.TO_CONVERT:
             stdout.print(f"would convert {conversion.image} -> {conversion.sif}", highlight=False)
-    summary = ", ".join(f"{count} {state}" for state, count in counts.items() if count)
-    stdout.print(f"{summary or 'no images'} (store: {store})", highlight=False)
-
-
-_STATES = ("converted", "cached", "to convert", "failed")
+    counts = report.counts.items()
+    summary = ", ".join(f"{count} {state}" for state, count in counts if count)
+    stdout.print(f"{summary or 'no images'} (store: {report.store})", highlight=False)

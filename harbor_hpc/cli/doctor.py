@@ -13,21 +13,12 @@ from harbor_hpc.cli.app import (
     VerboseOption,
     app,
     console,
-    print_json,
+    render,
     setup,
     stdout,
 )
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.doctor import (
-    PART_TITLES,
-    REQUIRED_PARTS,
-    Check,
-    Report,
-    Role,
-    Status,
-    checks_as_json,
-    run_doctor,
-)
+from harbor_hpc.doctor import PART_TITLES, REQUIRED_PARTS, Check, Report, Role, Status, run_doctor
 
 _STYLES = {Status.OK: "green", Status.WARN: "yellow", Status.MISSING: "red bold"}
 
@@ -61,10 +52,7 @@ def doctor(
     except HarborHpcError as exc:  # a broken config file is one more finding, not the end
         config_problem = exc
     report = run_doctor(role, cache_dir)
-    if json:
-        print_json(checks_as_json(report.checks))
-    else:
-        stdout.print(_table(report))
+    render(report, json=json, show=lambda shown: stdout.print(_table(shown)))
     if config_problem is not None:
         console.print(
             f"[yellow]warning:[/] config ignored: {config_problem.message}", highlight=False

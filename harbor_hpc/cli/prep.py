@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -24,12 +24,14 @@ from harbor_hpc.cli.app import (
     stdout,
     warn,
 )
+from harbor_hpc.core.config import Config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.images.build import (
     BuildPlan,
     BuildResult,
     ImageOutcome,
     PlannedImage,
+    parse_build_args,
     plan_build,
     run_build,
 )
@@ -45,7 +47,23 @@ TasksArgument = Annotated[
         show_default=False,
     ),
 ]
+BuildArgOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--build-arg",
+        metavar="NAME=VALUE",
+        help="A value for the Dockerfiles' ARG NAME (repeatable), passed to every build as "
+        "`docker build --build-arg` does. Those a Dockerfile declares are part of its image's "
+        "content hash: other values, another image. Added to config build_args (a list of "
+        '"NAME=VALUE"); a flag wins for its NAME.',
+    ),
+]
 _LISTED = 20
+
+
+def _build_args(config: Config, flags: list[str] | None) -> dict[str, str]:
+    """The config file's build args, then the flags' (a later NAME wins)."""
+    return parse_build_args([*config.pick("build_args", None, []), *(flags or [])])
 
 
 @app.command(
@@ -72,6 +90,7 @@ def build(
     ] = None,
     manifest: ManifestOption = None,
     jobs: JobsOption = None,
+    build_arg: BuildArgOption = None,
     no_push: Annotated[
         bool,
         typer.Option(
@@ -92,7 +111,7 @@ def build(
         raise InputError("no registry given", hint="pass --registry REGISTRY/NAMESPACE")
     manifest_file = manifest_path(manifest)
     workers = config.pick("jobs", jobs, 2)
-    plan = plan_build(tasks_dir, target, jobs=workers)
+    plan = plan_build(tasks_dir, target, jobs=workers, build_args=_build_args(config, build_arg))
     _warn_compose(plan.compose)  # on stderr: --json output stays clean
     if dry_run:
         recorded = load_manifest(manifest_file) if manifest_file.exists() else None
@@ -102,7 +121,7 @@ def build(
         overall = bar.add_task("images", total=len(plan.images), current="")
 
         def on_progress(image: PlannedImage, text: str) -> None:
-            bar.update(overall, current=f"{image.repository.rsplit('/', 1)[1]}: {text}")
+            bar.update(overall, current=f"{image.name}: {text}")
 
         def on_done(outcome: ImageOutcome) -> None:
             bar.advance(overall)
@@ -139,10 +158,6 @@ def _warn_compose(compose: dict[str, list[str]]) -> None:
         )
 
 
-def _problems_json(problems: list[TaskProblem]) -> list[dict[str, str]]:
-    return [{"path": str(problem.path), "message": problem.message} for problem in problems]
-
-
 def _show_problems(problems: list[TaskProblem]) -> None:
     for problem in problems[:_LISTED]:
         warn(str(problem))
@@ -151,40 +166,15 @@ def _show_problems(problems: list[TaskProblem]) -> None:
 
 
 def _show_plan(plan: BuildPlan, recorded: Manifest | None, json_output: bool) -> None:
-    def status(key: str) -> str:
-        record = recorded.images.get(key) if recorded else None
-        if record and record.digest:
-            return "recorded (checked against the registry on a real run)"
-        return "to build"
-
     if json_output:
-        print_json(
-            {
-                "tasks": plan.task_count,
-                "contexts": len(plan.images),
-                "images": [
-                    {
-                        "context": key,
-                        "image": image.tagged,
-                        "tasks": image.tasks,
-                        "verifier_tasks": image.verifier_tasks,
-                        "status": status(key),
-                    }
-                    for key, image in plan.images.items()
-                ],
-                "task_errors": plan.task_errors,
-                "verifier_errors": plan.verifier_errors,
-                "verifier_references": plan.verifier_references,
-                "compose": plan.compose,
-                "problems": _problems_json(plan.problems),
-            }
-        )
+        print_json(plan.to_json(recorded))
         return
     table = Table(title=f"{plan.task_count} tasks, {len(plan.images)} distinct build contexts")
     for column in ("image", "tasks", "example task", "status"):
         table.add_column(column)
     for key, image in plan.images.items():
-        table.add_row(image.tagged, _uses(image), escape(image.users[0]), status(key))
+        status = plan.status(key, recorded)
+        table.add_row(image.tagged, _uses(image), escape(image.users[0]), status)
     stdout.print(table)
     _warn_task_errors(plan.task_errors, plan.verifier_errors)
     _show_problems(plan.problems)
@@ -205,27 +195,7 @@ def _warn_task_errors(task_errors: dict[str, str], verifier_errors: dict[str, st
 
 def _show_build(result: BuildResult, json_output: bool) -> None:
     if json_output:
-        print_json(
-            {
-                "manifest": str(result.manifest),
-                "images": [
-                    {
-                        "image": outcome.image.tagged,
-                        "reference": outcome.record.reference,
-                        "image_id": outcome.record.image_id,
-                        "tasks": len(outcome.image.tasks),
-                        "verifier_tasks": len(outcome.image.verifier_tasks),
-                        "action": outcome.action,
-                        "error": outcome.record.error,
-                    }
-                    for outcome in result.outcomes
-                ],
-                "failed_tasks": result.failed_tasks,
-                "task_errors": result.task_errors,
-                "verifier_errors": result.verifier_errors,
-                "problems": _problems_json(result.problems),
-            }
-        )
+        print_json(result.to_json())
         return
     table = Table(title=f"images -> {result.manifest}")
     for column in ("image", "tasks", "result"):
@@ -268,7 +238,7 @@ def rewrite(
     setup(verbose)
     manifest_file = manifest_path(manifest)
     result = rewrite_tasks(tasks_dir, manifest_file, sif=sif, dry_run=dry_run)
-    _show_rewrite(result, dry_run, json_output)
+    _show_rewrite(result, json_output)
     if not result.ok:
         raise HarborHpcError(
             f"{len(result.skipped)} task(s) left untouched, {len(result.problems)} not readable",
@@ -276,21 +246,13 @@ def rewrite(
         )
 
 
-def _show_rewrite(result: RewriteResult, dry_run: bool, json_output: bool) -> None:
+def _show_rewrite(result: RewriteResult, json_output: bool) -> None:
     if json_output:
-        data: dict[str, Any] = {
-            "changed": result.changed,
-            "unchanged": result.unchanged,
-            "skipped": result.skipped,
-            "problems": _problems_json(result.problems),
-        }
-        if dry_run:
-            data["diffs"] = result.diffs
-        print_json(data)
+        print_json(result.to_json())
         return
-    for task in result.changed if dry_run else []:
+    for task in result.changed if result.dry_run else []:
         stdout.print(result.diffs[task], end="", highlight=False, markup=False)
-    verb = "would change" if dry_run else "changed"
+    verb = "would change" if result.dry_run else "changed"
     info(f"{verb} {len(result.changed)}, already right {len(result.unchanged)}")
     for task, reason in list(result.skipped.items())[:_LISTED]:
         warn(f"{task}: left untouched: {reason}")
@@ -330,6 +292,7 @@ def setup_sh(
             "staged into environment/files/_replay), so the task runs on a shared base image.",
         ),
     ] = False,
+    build_arg: BuildArgOption = None,
     dry_run: DryRunOption = False,
     json_output: JsonOption = False,
     verbose: VerboseOption = 0,
@@ -342,9 +305,10 @@ def setup_sh(
         force=force,
         wheels=Path(wheels_dir) if wheels_dir else None,
         replay_copy=replay_copy,
+        build_args=_build_args(config, build_arg),
         dry_run=dry_run,
     )
-    _show_setup(result, dry_run, json_output)
+    _show_setup(result, json_output)
     if result.problems:
         raise HarborHpcError(
             f"{len(result.problems)} task(s) got no setup.sh",
@@ -352,17 +316,11 @@ def setup_sh(
         )
 
 
-def _show_setup(result: SetupResult, dry_run: bool, json_output: bool) -> None:
+def _show_setup(result: SetupResult, json_output: bool) -> None:
     if json_output:
-        print_json(
-            {
-                "written" if not dry_run else "would_write": result.written,
-                "kept": result.kept,
-                "problems": _problems_json(result.problems),
-            }
-        )
+        print_json(result.to_json())
         return
-    verb = "would write" if dry_run else "wrote"
+    verb = "would write" if result.dry_run else "wrote"
     info(f"{verb} setup.sh in {len(result.written)} task(s); kept {len(result.kept)} existing")
     if result.kept:
         info("existing setup.sh files are kept; --force replaces them")

@@ -11,10 +11,11 @@ from rich.columns import Columns
 from rich.console import Group
 from rich.live import Live
 from rich.markup import escape
+from rich.padding import Padding
 from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, environment_class
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -31,9 +32,10 @@ from harbor_hpc.cli.app import (
     stdout,
     warn,
 )
-from harbor_hpc.core.config import chosen_cache_dir
+from harbor_hpc.results.classify import AttemptState
 from harbor_hpc.results.export import export_run
-from harbor_hpc.results.status import AttemptStatus, Summary, attempt_statuses, summarize
+from harbor_hpc.results.status import RunStatus, Summary
+from harbor_hpc.slurm.runs import follow, run_status
 from harbor_hpc.slurm.submit import (
     ENVIRONMENT,
     SubmitOptions,
@@ -51,7 +53,6 @@ WaitOption = Annotated[
     bool,
     typer.Option("--wait", help="Follow the run with a live display until every trial has ended."),
 ]
-POLL_SEC = 5.0
 
 
 @app.command()
@@ -173,26 +174,15 @@ def submit(
     Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --run-dir runs/oracle --wait
     """
     config = setup(verbose)
-    env_kwargs = parse_key_values(environment_kwarg or [], "--environment-kwarg")
-    # The store `convert` and `doctor` use; when none is chosen the environment picks its
-    # default on the node that runs the trial. Chosen by $HARBOR_HPC_CACHE or the config rather
-    # than by --cache-dir, it goes only to an environment that takes it.
-    store = chosen_cache_dir(cache_dir, config)
-    cache_kwarg = "singularity_image_cache_dir"  # the name our environment and Harbor's take
-    if store is not None and (
-        cache_dir is not None
-        or cache_kwarg in accepted_environment_kwargs(environment_class(environment))
-    ):
-        env_kwargs.setdefault(cache_kwarg, str(store.expanduser().absolute()))
     scratch = config.pick("scratch_dir", None if scratch_dir is None else str(scratch_dir), None)
-    if scratch is not None:
-        env_kwargs.setdefault("scratch_dir", str(Path(scratch).expanduser().absolute()))
     options = SubmitOptions(
         agent=agent,
         model=model,
         agent_kwargs=parse_key_values(agent_kwarg or [], "--agent-kwarg"),
         environment=environment,
-        environment_kwargs=env_kwargs,
+        environment_kwargs=parse_key_values(environment_kwarg or [], "--environment-kwarg"),
+        cache_dir=cache_dir,
+        scratch_dir=None if scratch is None else Path(scratch),
         executor=config.pick("executor", executor, "auto"),
         partition=config.pick("partition", partition, None),
         account=config.pick("account", account, None),
@@ -221,14 +211,15 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
 
     Works while the run goes on and after; needs squeue for Slurm runs, not sacct. Failure
     classes: image, setup, memory, timeout, verifier, agent, infrastructure (resubmit those).
+    Each failure's message follows the table, cut to one line; -v shows it whole, and the
+    trial folder of every attempt.
     """
     setup(verbose)
-    statuses = attempt_statuses(run_dir)
+    found = run_status(run_dir)
     if json:
-        print_json([s.to_json() for s in statuses])
+        print_json(found.to_json())
         return
-    stdout.print(_status_table(statuses))
-    stdout.print(_summary_line(summarize(statuses)))
+    _show_status(found, verbose=verbose > 0)
 
 
 @app.command()
@@ -271,12 +262,12 @@ def export(
     reports them). The file is replaced atomically.
     """
     setup(verbose)
-    count = export_run(run_dir, out, dry_run=dry_run)
+    written = export_run(run_dir, out, dry_run=dry_run)
     if json:
-        print_json({"out": str(out), "rollouts": count, "dry_run": dry_run})
+        print_json(written.to_json())
     else:
-        verb = "would write" if dry_run else "wrote"
-        info(f"{verb} {count} rollout(s) to {out}")
+        verb = "would write" if written.dry_run else "wrote"
+        info(f"{verb} {written.rollouts} rollout(s) to {written.out}")
 
 
 def _report_submission(result: SubmitResult, *, json: bool, dry_run: bool) -> None:
@@ -298,22 +289,32 @@ def _report_submission(result: SubmitResult, *, json: bool, dry_run: bool) -> No
     info(f"follow it with: harbor-hpc status {result.run_dir}")
 
 
-def _status_table(statuses: list[AttemptStatus]) -> Table:
-    table = Table(show_lines=False)
-    for column in ("task", "attempt", "state", "reward", "failure", "trial", "message"):
+def _show_status(found: RunStatus, *, verbose: bool) -> None:
+    """One table row per attempt; below it each failed attempt's message, indented on a line
+    of its own and cut to the terminal's width (`verbose`: whole, with the trial folders)."""
+    table = Table(pad_edge=False)
+    columns = ["task", "#", "state", "reward", "failure"] + (["trial"] if verbose else [])
+    for column in columns:
         table.add_column(column, overflow="fold")
     colours = {"done": "green", "failed": "red", "running": "cyan", "pending": "dim"}
-    for s in statuses:
-        table.add_row(  # names and messages are text, not markup (see `warn`)
+    for s in found.attempts:
+        row = [  # names and messages are text, not markup (see `warn`)
             escape(s.task),
             str(s.attempt),
             f"[{colours[s.state]}]{s.state}[/]",
             "" if s.reward is None else f"{s.reward:g}",
             s.failure or "",
-            escape(s.trial or ""),
-            escape(s.message or ""),
-        )
-    return table
+        ]
+        table.add_row(*row, *([escape(s.trial or "")] if verbose else []))
+    stdout.print(table)
+    for s in found.attempts:
+        if s.message:
+            stdout.print(Text(f"{s.task} #{s.attempt}", style="bold"), soft_wrap=False)
+            message = Text(
+                s.message, no_wrap=not verbose, overflow="fold" if verbose else "ellipsis"
+            )
+            stdout.print(Padding(message, (0, 0, 0, 2), expand=False), soft_wrap=False)
+    stdout.print(_summary_line(found.summary), soft_wrap=False, highlight=False)
 
 
 def _summary_line(summary: Summary) -> str:
@@ -325,7 +326,7 @@ def _summary_line(summary: Summary) -> str:
 
 
 def _progress_view(summary: Summary) -> Group:
-    ended = summary.states["done"] + summary.states["failed"]
+    ended = summary.states[AttemptState.DONE] + summary.states[AttemptState.FAILED]
     bar = ProgressBar(total=max(1, summary.total), completed=ended, width=40)
     return Group(Columns([bar, f"{ended}/{summary.total}"]), _summary_line(summary))
 
@@ -333,12 +334,8 @@ def _progress_view(summary: Summary) -> Group:
 def _follow(run_dir: Path) -> None:
     """Show the run's counts live until nothing is pending or running."""
     with Live(console=console, refresh_per_second=2, transient=True) as live:
-        while True:
-            summary = summarize(attempt_statuses(run_dir))
-            live.update(_progress_view(summary))
-            if summary.finished:
-                break
-            time.sleep(POLL_SEC)
-    info(_summary_line(summary))
-    if summary.states.get("failed"):
+        for now in follow(run_dir):
+            live.update(_progress_view(now.summary))
+    info(_summary_line(now.summary))
+    if now.summary.states[AttemptState.FAILED]:
         info(f"details: harbor-hpc status {run_dir}")

@@ -1,1 +1,1 @@
-"""What every step shares: errors, atomic files and locks, configuration."""
+"""What every step shares: errors, atomic files and locks, configuration, step results."""

@@ -36,6 +36,8 @@ KNOWN_KEYS: dict[str, type] = {
     "tasks_per_job": int,
     "concurrency": int,
     "nohttps": bool,
+    # `build_args = ["NAME=VALUE"]`: `--build-arg` values every build gets (flags win per NAME).
+    "build_args": list,
 }
 
 T = TypeVar("T")
@@ -88,6 +90,8 @@ def _parse(path: Path) -> dict[str, Any]:
             )
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise InputError(f"{path}: {key} must be a {expected.__name__}, not {value!r}")
+        if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+            raise InputError(f"{path}: {key} must be a list of strings, not {value!r}")
     return data
 
 

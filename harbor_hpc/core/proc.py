@@ -7,8 +7,11 @@ failure turn that line into a `HarborHpcError` naming what they were doing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import signal
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,21 +58,32 @@ def run(
     """Run `command` to its end or to `timeout` seconds, capturing its output as text."""
     log.info("$ %s", " ".join(command))
     try:
-        done = subprocess.run(
+        # A session of its own, so that a timeout or an interrupt stops the tool and whatever
+        # it started (apptainer's mksquashfs, say), not the tool alone.
+        process = subprocess.Popen(
             command,
-            capture_output=True,
+            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
-            check=False,
             env=None if env is None else dict(env),
-            input=input,
-            stdin=None if input is not None else subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired:
-        return Ran(
-            tuple(command), -1, "", "", f"`{command[0]}` did not answer within {timeout:g} s"
+            start_new_session=True,
         )
     except OSError as exc:
         return Ran(tuple(command), -1, "", "", f"cannot run {command[0]}: {exc.strerror or exc}")
-    log.debug("exit %s\n%s%s", done.returncode, done.stdout, done.stderr)
-    return Ran(tuple(command), done.returncode, done.stdout, done.stderr)
+    try:
+        stdout, stderr = process.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop(process)
+        return Ran(tuple(command), -1, "", "", f"{command[0]} did not answer within {timeout:g} s")
+    except BaseException:
+        _stop(process)
+        raise
+    log.debug("exit %s\n%s%s", process.returncode, stdout, stderr)
+    return Ran(tuple(command), process.returncode, stdout, stderr)
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()

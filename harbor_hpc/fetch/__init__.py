@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.steps import State, Step, done, failed, skipped
 from harbor_hpc.fetch.hub import Hub, PlannedFile, download, plan
 from harbor_hpc.fetch.place import Destination, archive_folder, load_state, sha256_of
 from harbor_hpc.fetch.unpack import UnsafeArchiveError, check, is_archive
@@ -134,15 +135,32 @@ def _failure(path: str, exc: HarborHpcError | OSError) -> Failure:
 
 @dataclass(frozen=True)
 class PlannedStep:
-    """What fetch would do with one repository file, and why."""
+    """What fetch would do with one repository file (done: the action), or why it would not
+    (skipped: nothing changed; failed: the archive would be refused)."""
 
     path: str
-    action: str
+    step: Step[str]
     size: int | None
     cached: bool
 
+    @property
+    def action(self) -> str:
+        """One line: the action, `skip: WHY` or `refuse: WHY`."""
+        if self.step.value is not None:
+            return self.step.value
+        return f"{_VERB[self.step.state]}: {self.step.reason}"
+
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "action": self.action, "size": self.size, "cached": self.cached}
+        return {
+            "path": self.path,
+            "state": self.step.state,
+            "action": self.action,
+            "size": self.size,
+            "cached": self.cached,
+        }
+
+
+_VERB = {State.SKIPPED: "skip", State.FAILED: "refuse"}
 
 
 @dataclass
@@ -172,24 +190,22 @@ def plan_fetch(
     dest = dest.expanduser().absolute()
     destination = Destination(dest, load_state(dest))
     files = plan(repo_id, include=include, revision=revision, hub=hub)
-    return FetchPlan(repo_id, dest, [_plan_step(destination, planned) for planned in files])
+    steps = [PlannedStep(f.path, _planned(destination, f), f.size, f.cached) for f in files]
+    return FetchPlan(repo_id, dest, steps)
 
 
-def _plan_step(destination: Destination, planned: PlannedFile) -> PlannedStep:
-    def step(action: str) -> PlannedStep:
-        return PlannedStep(planned.path, action, planned.size, planned.cached)
-
+def _planned(destination: Destination, planned: PlannedFile) -> Step[str]:
     target = archive_folder(planned.path) or "."
     if not is_archive(planned.path):
         if planned.cached and destination.has_copy(planned.path, planned.local):
-            return step("skip: already copied, unchanged")
-        return step(f"copy to {planned.path}")
+            return skipped("already copied, unchanged")
+        return done(f"copy to {planned.path}")
     if not planned.cached:
-        return step(f"download and unpack into {target}/")
+        return done(f"download and unpack into {target}/")
     if destination.is_unchanged(planned.path, sha256_of(planned.local)):
-        return step("skip: already unpacked, unchanged")
+        return skipped("already unpacked, unchanged")
     try:
         check(planned.local, label=planned.path)
     except HarborHpcError as exc:
-        return step(f"refuse: {exc.message}")
-    return step(f"unpack into {target}/")
+        return failed(exc.message)
+    return done(f"unpack into {target}/")

@@ -25,8 +25,8 @@ import zipfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Literal
 
 from harbor_hpc.core.errors import HarborHpcError
 
@@ -39,7 +39,14 @@ _COPY_CHUNK = 1 << 20
 # A zip stores a symlink's target as the entry's content; anything longer than PATH_MAX is not one.
 _MAX_LINK_TARGET = 4096
 
-Kind = Literal["file", "dir", "symlink", "hardlink"]
+
+class Kind(StrEnum):
+    """What an archive member makes on disk."""
+
+    FILE = "file"
+    DIR = "dir"
+    SYMLINK = "symlink"
+    HARDLINK = "hardlink"
 
 
 def is_archive(name: str) -> bool:
@@ -129,7 +136,7 @@ def check_members(archive: str, members: Sequence[Member]) -> None:
         parts = _split(member.name)
         if parts and parts[-1] == "..":
             raise UnsafeArchiveError(archive, member.name, "names a folder above itself ('..')")
-        if parts and member.name.rstrip("/").endswith("/.") and member.kind != "dir":
+        if parts and member.name.rstrip("/").endswith("/.") and member.kind != Kind.DIR:
             raise UnsafeArchiveError(archive, member.name, f"names a folder but is a {member.kind}")
     # Members in archive order, as extraction meets them: each is placed by following the links
     # seen so far, which is what extraction into an empty folder does on disk.
@@ -143,12 +150,12 @@ def check_members(archive: str, members: Sequence[Member]) -> None:
             continue
         try:
             where = (*tree.resolve((), parts[:-1]), parts[-1])
-            if member.kind == "hardlink":
+            if member.kind == Kind.HARDLINK:
                 _check_hard_link(tree, files, member)
         except _Refused as exc:
             raise UnsafeArchiveError(archive, member.name, exc.reason) from None
         previous = owner.get(where)
-        if previous is not None and "symlink" in (previous.kind, member.kind):
+        if previous is not None and Kind.SYMLINK in (previous.kind, member.kind):
             raise UnsafeArchiveError(
                 archive, member.name, f"is a second entry for the link {previous.name!r}"
             )
@@ -157,9 +164,9 @@ def check_members(archive: str, members: Sequence[Member]) -> None:
                 archive, member.name, f"is both a {previous.kind} and a {member.kind}"
             )
         owner[where] = member
-        if member.kind == "file":
+        if member.kind == Kind.FILE:
             files.add(where)
-        elif member.kind == "symlink":
+        elif member.kind == Kind.SYMLINK:
             assert member.target is not None
             if member.target.startswith("/"):
                 raise UnsafeArchiveError(
@@ -271,13 +278,13 @@ def _unpack_tar(archive: Path, into: Path, label: str) -> None:
 
 def _tar_member(archive: str, info: tarfile.TarInfo) -> Member:
     if info.isreg():
-        return Member(info.name, "file")
+        return Member(info.name, Kind.FILE)
     if info.isdir():
-        return Member(info.name, "dir")
+        return Member(info.name, Kind.DIR)
     if info.issym():
-        return Member(info.name, "symlink", info.linkname)
+        return Member(info.name, Kind.SYMLINK, info.linkname)
     if info.islnk():
-        return Member(info.name, "hardlink", info.linkname)
+        return Member(info.name, Kind.HARDLINK, info.linkname)
     if info.ischr() or info.isblk():
         raise UnsafeArchiveError(archive, info.name, "is a device")
     if info.isfifo():
@@ -309,16 +316,16 @@ def _zip_member(archive: str, zipped: zipfile.ZipFile, info: zipfile.ZipInfo) ->
         if info.file_size > _MAX_LINK_TARGET:
             raise UnsafeArchiveError(archive, info.filename, "is a link with an overlong target")
         target = zipped.read(info).decode("utf-8", errors="surrogateescape")
-        return Member(info.filename, "symlink", target)
+        return Member(info.filename, Kind.SYMLINK, target)
     if info.is_dir() or kind == stat.S_IFDIR:
-        return Member(info.filename, "dir")
+        return Member(info.filename, Kind.DIR)
     if kind in (stat.S_IFCHR, stat.S_IFBLK):
         raise UnsafeArchiveError(archive, info.filename, "is a device")
     if kind == stat.S_IFIFO:
         raise UnsafeArchiveError(archive, info.filename, "is a fifo")
     if kind not in (0, stat.S_IFREG):
         raise UnsafeArchiveError(archive, info.filename, f"has the unsupported mode {mode:o}")
-    return Member(info.filename, "file")
+    return Member(info.filename, Kind.FILE)
 
 
 def _write_zip_member(
@@ -328,11 +335,11 @@ def _write_zip_member(
     if not parts:
         return
     path = into.joinpath(*parts)
-    if member.kind == "dir":
+    if member.kind == Kind.DIR:
         path.mkdir(parents=True, exist_ok=True)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    if member.kind == "symlink":
+    if member.kind == Kind.SYMLINK:
         assert member.target is not None
         os.symlink(member.target, path)
         return

@@ -1,1 +1,2 @@
-"""Task images: hashing build contexts, building and pushing one image per context, registries."""
+"""Task images: the Dockerfile reader, image references, hashing build contexts, building and
+pushing one image per context, registries."""

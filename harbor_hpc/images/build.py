@@ -4,9 +4,12 @@ Planning (`plan_build`) discovers the tasks and hashes each context; tasks with 
 one image named from the hash alone (`REGISTRY/NAMESPACE/env-<hash12>:<hash>`), so any rerun, from
 any manifest, finds what an earlier run pushed. A task whose Dockerfile copies from above its
 context gets its own error instead of an image: Docker cannot send such a file, and equal hashes
-would no longer mean equal images. No build args are passed (Harbor passes none either), so
-they cannot split a context. What the hash deliberately leaves out is the base image behind a
-`FROM` tag: a rerun trusts what it pushed before; pin `FROM` by digest to rebuild on a new base.
+would no longer mean equal images. Build args (`--build-arg`, none by default, as in Harbor's own
+build) are passed to every build; those a Dockerfile declares with `ARG` are part of its context's
+hash and recorded with its image, so one context built with other values is another image. The
+others (Docker's predefined proxy args among them) do not change what the Dockerfile builds.
+What the hash deliberately leaves out is the base image behind a `FROM` tag: a rerun trusts what
+it pushed before; pin `FROM` by digest to rebuild on a new base.
 
 A task whose verifier runs in a container of its own (Harbor's separate verifier mode) with a
 `tests/Dockerfile` has a second context, tests/, hashed, shared and named by the same rules: an
@@ -29,9 +32,10 @@ import multiprocessing
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +44,12 @@ import docker.errors
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_text
+from harbor_hpc.core.steps import Step, done, failed
+from harbor_hpc.images import engine
 from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
-from harbor_hpc.images.dockerfile import sources_outside_context
-from harbor_hpc.images.registry import Registry, RegistryPath, login_hint
+from harbor_hpc.images.dockerfile import read_dockerfile
+from harbor_hpc.images.reference import Reference
+from harbor_hpc.images.registry import Registry, login_hint
 from harbor_hpc.tasks.discovery import TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
@@ -64,12 +71,14 @@ class PlannedImage:
     """One distinct context: the image it becomes and the tasks that share it."""
 
     context: str
-    repository: str
-    tag: str
+    # REGISTRY/NAMESPACE/env-<hash12>:<hash> (`image_name`).
+    reference: Reference
     build_dir: Path
     tasks: list[str] = field(default_factory=list)
     # Tasks whose separate verifier runs in this image.
     verifier_tasks: list[str] = field(default_factory=list)
+    # The build args its Dockerfile declares, as given: part of the context hash.
+    build_args: dict[str, str] = field(default_factory=dict)
 
     @property
     def users(self) -> list[str]:
@@ -77,19 +86,28 @@ class PlannedImage:
         return sorted({*self.tasks, *self.verifier_tasks})
 
     @property
-    def tagged(self) -> str:
-        return f"{self.repository}:{self.tag}"
+    def name(self) -> str:
+        """`env-<hash12>`: the image's own name, for logs and progress."""
+        return image_name(self.context)[0]
 
     @property
-    def repository_path(self) -> str:
-        """The repository without the registry host, as the registry API names it."""
-        return self.repository.split("/", 1)[1]
+    def repository(self) -> str:
+        return self.reference.name
+
+    @property
+    def tag(self) -> str:
+        return self.context
+
+    @property
+    def tagged(self) -> str:
+        return str(self.reference)
 
 
 @dataclass
 class BuildPlan:
     root: Path
-    registry: RegistryPath
+    # Where the images go: REGISTRY/NAMESPACE.
+    registry: Reference
     images: dict[str, PlannedImage]
     task_errors: dict[str, str]
     problems: list[TaskProblem]
@@ -99,6 +117,8 @@ class BuildPlan:
     verifier_references: dict[str, str] = field(default_factory=dict)
     # Task -> its compose files (relative to the task), whose sidecars will not run.
     compose: dict[str, list[str]] = field(default_factory=dict)
+    # Every build arg given, passed to every build (each image hashes those it declares).
+    build_args: dict[str, str] = field(default_factory=dict)
 
     @property
     def task_count(self) -> int:
@@ -110,19 +130,65 @@ class BuildPlan:
             self.task_errors
         )
 
+    def status(self, context: str, recorded: Manifest | None) -> str:
+        """What a dry run says of an image, given the manifest of earlier runs (if any)."""
+        record = recorded.images.get(context) if recorded else None
+        if record and record.digest:
+            return "recorded (checked against the registry on a real run)"
+        return "to build"
+
+    def to_json(self, recorded: Manifest | None) -> dict[str, Any]:
+        return {
+            "tasks": self.task_count,
+            "contexts": len(self.images),
+            "images": [
+                {
+                    "context": key,
+                    "image": image.tagged,
+                    "tasks": image.tasks,
+                    "verifier_tasks": image.verifier_tasks,
+                    "build_args": image.build_args,
+                    "status": self.status(key, recorded),
+                }
+                for key, image in self.images.items()
+            ],
+            "task_errors": self.task_errors,
+            "verifier_errors": self.verifier_errors,
+            "verifier_references": self.verifier_references,
+            "compose": self.compose,
+            "problems": [problem.to_json() for problem in self.problems],
+        }
+
 
 def image_name(context: str) -> tuple[str, str]:
     """Repository name and tag for a context hash: stable, derived from the content alone."""
     return f"env-{context[:12]}", context
 
 
-def plan_build(root: Path, registry: str, *, jobs: int = 2) -> BuildPlan:
+def parse_build_args(values: Iterable[str]) -> dict[str, str]:
+    """`NAME=VALUE` strings as a dict; a later NAME wins, as with `docker build`."""
+    build_args = {}
+    for value in values:
+        key, has_value, text = value.partition("=")
+        if not has_value or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise InputError(
+                f"build arg {value!r} is not NAME=VALUE",
+                hint="write --build-arg NAME=VALUE, NAME as the Dockerfile's ARG spells it",
+            )
+        build_args[key] = text
+    return build_args
+
+
+def plan_build(
+    root: Path, registry: str, *, jobs: int = 2, build_args: Mapping[str, str] | None = None
+) -> BuildPlan:
     """Discover the tasks under `root` and group them by build context. Reads only.
 
     Hashing is CPU-bound Python (the .dockerignore walk), so large datasets are hashed in `jobs`
     processes.
     """
-    target = RegistryPath.parse(registry)
+    given = dict(build_args or {})
+    target = Reference.registry_target(registry)
     discovery = discover_tasks(root)
     # (task, context folder, is the verifier's): the environment's, then separate verifiers'.
     roles = [(task, task.environment_dir, False) for task in discovery.tasks]
@@ -131,7 +197,7 @@ def plan_build(root: Path, registry: str, *, jobs: int = 2) -> BuildPlan:
         for task in discovery.tasks
         if task.verifier_build_dir is not None
     ]
-    places = [(task.rel, folder) for task, folder, _ in roles]
+    places = [(task.rel, folder, given) for task, folder, _ in roles]
     if jobs > 1 and len(places) >= _PARALLEL_HASH_MIN:
         chunk = max(1, len(places) // (jobs * 8))
         # forkserver: forking a process that may run threads (docker's, rich's) can deadlock.
@@ -143,17 +209,18 @@ def plan_build(root: Path, registry: str, *, jobs: int = 2) -> BuildPlan:
     else:
         digests = FileDigests()
         contexts = [_task_context(place, digests) for place in places]
-    plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems)
-    for (task, folder, verifier), outcome in zip(roles, contexts, strict=True):
-        if outcome.startswith("error: "):
+    plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
+    for (task, folder, verifier), step in zip(roles, contexts, strict=True):
+        if step.value is None:
             errors = plan.verifier_errors if verifier else plan.task_errors
-            errors[task.rel] = outcome.removeprefix("error: ")
+            errors[task.rel] = step.reason
             continue
-        image = plan.images.get(outcome)
+        key, used = step.value
+        image = plan.images.get(key)
         if image is None:
-            name, tag = image_name(outcome)
-            image = PlannedImage(outcome, target.repository(name), tag, folder)
-            plan.images[outcome] = image
+            name, tag = image_name(key)
+            image = PlannedImage(key, target.child(name, tag), folder, build_args=used)
+            plan.images[key] = image
         (image.verifier_tasks if verifier else image.tasks).append(task.rel)
     for task in discovery.tasks:
         if task.compose_files():
@@ -180,39 +247,69 @@ def _reset_worker_digests() -> None:
     _worker_digests = FileDigests()
 
 
-def _hash_in_worker(place: tuple[str, Path]) -> str:
+# A place to hash: (task, context folder, every build arg given).
+_Place = tuple[str, Path, dict[str, str]]
+# A hashed context: its hash and the build args of those given that its Dockerfile declares.
+_Context = tuple[str, dict[str, str]]
+
+
+def _hash_in_worker(place: _Place) -> Step[_Context]:
     return _task_context(place, _worker_digests)
 
 
-def _task_context(place: tuple[str, Path], digests: FileDigests) -> str:
-    """A task's context hash, or `error: ...` when it cannot be built as its own context."""
-    rel, context = place
+def _task_context(place: _Place, digests: FileDigests) -> Step[_Context]:
+    """A task's context hash, or why it cannot be built as its own context."""
+    rel, context, build_args = place
     try:
-        outside = sources_outside_context((context / DOCKERFILE).read_text(errors="replace"))
-        if outside:
+        dockerfile = read_dockerfile((context / DOCKERFILE).read_text(errors="replace"), build_args)
+        if dockerfile.outside:
             folder = context.name
-            return (
-                f"error: {rel}/{folder}/Dockerfile: {outside[0]} reaches outside the "
+            return failed(
+                f"{rel}/{folder}/Dockerfile: {dockerfile.outside[0]} reaches outside the "
                 f"build context ({folder}/), which Docker does not send; move the file into "
                 f"{folder}/"
             )
-        return context_hash(context, digests)
+        used = {key: value for key, value in build_args.items() if key in dockerfile.args}
+        return done((context_hash(context, digests, used), used))
     except OSError as exc:
         where = exc.filename or context
-        return f"error: cannot read the build context: {where}: {exc.strerror}"
+        return failed(f"cannot read the build context: {where}: {exc.strerror}")
+
+
+class ImageAction(StrEnum):
+    """What a build did for one image: nothing (it was there), a build, a push, or failed."""
+
+    LOCAL = "already built locally"
+    BUILT_LOCAL = "built (local only)"
+    IN_REGISTRY = "already in the registry"
+    FOUND = "found in the registry"
+    PUSHED = "pushed"
+    BUILT_PUSHED = "built and pushed"
+    FAILED = "failed"
 
 
 @dataclass
 class ImageOutcome:
-    """What happened to one planned image: `action` is one line for the user."""
+    """What happened to one planned image; a failed one's error is in `record.error`."""
 
     image: PlannedImage
     record: ImageRecord
-    action: str
+    action: ImageAction
 
     @property
     def failed(self) -> bool:
         return self.record.error is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "image": self.image.tagged,
+            "reference": self.record.reference,
+            "image_id": self.record.image_id,
+            "tasks": len(self.image.tasks),
+            "verifier_tasks": len(self.image.verifier_tasks),
+            "action": self.action,
+            "error": self.record.error,
+        }
 
 
 @dataclass
@@ -228,6 +325,16 @@ class BuildResult:
         """Tasks left without an image for their environment or their verifier."""
         failed = {task for o in self.outcomes if o.failed for task in o.image.users}
         return sorted(failed | set(self.task_errors) | set(self.verifier_errors))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "manifest": str(self.manifest),
+            "images": [outcome.to_json() for outcome in self.outcomes],
+            "failed_tasks": self.failed_tasks,
+            "task_errors": self.task_errors,
+            "verifier_errors": self.verifier_errors,
+            "problems": [problem.to_json() for problem in self.problems],
+        }
 
 
 ProgressCallback = Callable[[PlannedImage, str], None]
@@ -247,7 +354,7 @@ def run_build(
     registry = Registry(plan.registry.host, plain_http=nohttps) if push else None
     _ping_docker()
     if registry is not None and plan.images:
-        registry.check_access(next(iter(plan.images.values())).repository_path)
+        registry.check_access(next(iter(plan.images.values())).reference.repository)
     _record_plan(plan, manifest_path)
     builder = _Builder(plan, manifest_path, registry, on_progress or (lambda image, text: None))
     outcomes: list[ImageOutcome] = []
@@ -269,11 +376,11 @@ def run_build(
 
 def _ping_docker() -> None:
     try:
-        docker.from_env(timeout=10).ping()
+        docker.from_env(timeout=engine.PING_TIMEOUT_S).ping()
     except docker.errors.DockerException as exc:
+        reason, fix = engine.unreachable(exc)
         raise HarborHpcError(
-            f"cannot reach the Docker Engine ({_one_line(str(exc))})",
-            hint="start Docker or set DOCKER_HOST; `harbor-hpc doctor` checks",
+            f"cannot reach the Docker Engine at {engine.where()}: {reason}", hint=fix
         ) from None
 
 
@@ -300,6 +407,7 @@ def _record_plan(plan: BuildPlan, manifest_path: Path) -> None:
             manifest.tasks[task] = TaskRecord(None, None, error)
         for key, image in plan.images.items():
             record = manifest.images.get(key) or ImageRecord(image.repository, image.tag)
+            record.build_args = image.build_args
             record.tasks = sorted({*record.tasks, *image.tasks})
             record.verifier_tasks = sorted({*record.verifier_tasks, *image.verifier_tasks})
             manifest.set_image(key, record)
@@ -352,11 +460,11 @@ class _Builder:
             action = self._make(image, record)
             record.error = None
         except _ImageFailed as exc:
-            action, record.error = "failed", str(exc)
+            action, record.error = ImageAction.FAILED, str(exc)
         except docker.errors.DockerException as exc:
-            action, record.error = "failed", f"Docker: {_one_line(str(exc))}"
+            action, record.error = ImageAction.FAILED, f"Docker: {_one_line(str(exc))}"
         except HarborHpcError as exc:
-            action, record.error = "failed", exc.message
+            action, record.error = ImageAction.FAILED, exc.message
         with update_manifest(self.manifest_path) as manifest:
             current = manifest.images.get(image.context, record)
             record.tasks, record.sif = current.tasks, current.sif or record.sif
@@ -366,26 +474,26 @@ class _Builder:
         self.on_progress(image, action)
         return ImageOutcome(image, record, action)
 
-    def _make(self, image: PlannedImage, record: ImageRecord) -> str:
+    def _make(self, image: PlannedImage, record: ImageRecord) -> ImageAction:
         if self.registry is None:
-            action = "already built locally"
+            action = ImageAction.LOCAL
             if self._local_image_id(image.tagged) is None:
                 self._build(image)
-                action = "built (local only)"
+                action = ImageAction.BUILT_LOCAL
             record.image_id = self._local_image_id(image.tagged)
             return action
-        path = image.repository_path
+        path = image.reference.repository
         if record.digest and self.registry.manifest_digest(path, record.digest):
-            return "already in the registry"
+            return ImageAction.IN_REGISTRY
         self.on_progress(image, "asking the registry")
         digest = self.registry.manifest_digest(path, image.tag)
         if digest:
             record.digest = digest
-            return "found in the registry"
-        action = "pushed"
+            return ImageAction.FOUND
+        action = ImageAction.PUSHED
         if self._local_image_id(image.tagged) is None:
             self._build(image)
-            action = "built and pushed"
+            action = ImageAction.BUILT_PUSHED
         record.image_id = self._local_image_id(image.tagged)
         record.digest = self._push(image)
         return action
@@ -414,6 +522,7 @@ class _Builder:
             forcerm=True,
             pull=False,
             decode=True,
+            buildargs=self.plan.build_args,
         )
         for chunk in stream:
             text = chunk.get("stream") or chunk.get("status") or ""
@@ -423,7 +532,7 @@ class _Builder:
                 lines.append(f"ERROR: {chunk['error']}")
             elif text.strip():
                 self.on_progress(image, _one_line(text)[:80])
-        log_file = self.log_dir / f"{image.repository.rsplit('/', 1)[1]}.log"
+        log_file = self.log_dir / f"{image.name}.log"
         atomic_write_text(log_file, "\n".join(lines) + "\n")
         if error:
             raise _ImageFailed(f"build failed: {error} (log: {log_file})")
@@ -441,7 +550,7 @@ class _Builder:
             aux = chunk.get("aux") or {}
             digest = aux.get("Digest") or digest
         if self.registry is not None and not digest:
-            digest = self.registry.manifest_digest(image.repository_path, image.tag)
+            digest = self.registry.manifest_digest(image.reference.repository, image.tag)
         if not digest:
             raise _ImageFailed(f"push to {host} reported no digest for {image.tagged}")
         return str(digest)

@@ -6,7 +6,9 @@ Each entry contributes its relative path, its type and permission bits (COPY kee
 content (a symlink: its target text, as Docker sends links unfollowed). Owners and mtimes are left
 out: COPY resets owners to root, and mtimes differ between unpackings of identical tasks. The
 Dockerfile is also hashed by its resolved content, because a Dockerfile that is a symlink to a file
-outside the context is sent by content.
+outside the context is sent by content. Build args the Dockerfile declares come last, sorted, so
+one context built with other build args is another image; without any, nothing is added and the
+hash is the one images were named by before build args existed.
 
 Identical files in many tasks (a dataset unpacked with hard links, or a rerun in one process) are
 read once, by (device, inode, mtime, size).
@@ -18,6 +20,7 @@ import hashlib
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 from docker.utils.build import exclude_paths
@@ -60,8 +63,13 @@ class FileDigests:
         return value
 
 
-def context_hash(context: Path, digests: FileDigests | None = None) -> str:
-    """Hex SHA-256 naming the image that `docker build context` makes. Raises OSError."""
+def context_hash(
+    context: Path,
+    digests: FileDigests | None = None,
+    build_args: Mapping[str, str] | None = None,
+) -> str:
+    """Hex SHA-256 naming the image that `docker build context` makes with `build_args` (only
+    those its Dockerfile declares: the others do not reach the build). Raises OSError."""
     digests = digests or FileDigests()
     hasher = hashlib.sha256(_HASH_VERSION)
     root = str(context)
@@ -78,4 +86,6 @@ def context_hash(context: Path, digests: FileDigests | None = None) -> str:
         hasher.update(b"%s\0%o\0%s\n" % (rel.encode(), mode, payload))
     dockerfile = os.path.join(root, DOCKERFILE)
     hasher.update(b"dockerfile\0" + digests.digest(dockerfile, os.stat(dockerfile)))
+    for name, value in sorted((build_args or {}).items()):
+        hasher.update(b"build-arg\0%s\0%s\n" % (name.encode(), value.encode()))
     return hasher.hexdigest()

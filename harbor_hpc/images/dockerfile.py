@@ -4,20 +4,26 @@
 such a file, and identical contexts would then not mean identical images), and `setup-sh
 --replay-copy` uses it to repeat those copies inside a shared base image. Only the final stage
 matters, plus the stages it is built `FROM`; `COPY --from=` and heredocs are reported, not
-replayed. Variables are expanded from the Dockerfile's own `ARG`/`ENV` defaults (no build args are
-ever passed, as in Harbor's own build).
+replayed. Variables are expanded from the build args given (`--build-arg`) for the `ARG`s that
+take them, else from the Dockerfile's own `ARG`/`ENV` defaults; the `ARG` names are the build
+args that can change the image, so only those count in its content hash. The package's one
+Dockerfile reader: the runtime takes WORKDIR, ENV and ENTRYPOINT from the image itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 _VARIABLE = re.compile(
     r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::?[-+][^}]*)?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
 )
+# A word of an ENV/ARG line: quoted parts kept whole.
+_WORDS = re.compile(r'(?:[^\s"\']+|"[^"]*"|\'[^\']*\')+')
 _KNOWN_COPY_FLAGS = ("--chown", "--chmod", "--link", "--from")
 
 
@@ -99,8 +105,8 @@ def _split_arguments(rest: str) -> list[str]:
 
 
 def _parse_assignments(rest: str) -> dict[str, str]:
-    """`ENV A=1 B="x y"`, `ENV A 1`, `ARG A=1`, `ARG A` (no value: left out)."""
-    words = re.findall(r'(?:[^\s"\']+|"[^"]*"|\'[^\']*\')+', rest)
+    """`ENV A=1 B="x y"`, `ENV A 1`."""
+    words = _WORDS.findall(rest)
     if len(words) >= 2 and "=" not in words[0]:
         return {words[0]: rest.split(None, 1)[1].strip()}
     values = {}
@@ -108,6 +114,21 @@ def _parse_assignments(rest: str) -> dict[str, str]:
         if "=" in word:
             key, value = word.split("=", 1)
             values[key] = value.strip("\"'")
+    return values
+
+
+def _arg_values(
+    rest: str, variables: dict[str, str], build_args: Mapping[str, str]
+) -> dict[str, str]:
+    """`ARG A=1 B`: a given build arg wins over the default (taken as is, as Docker does); an
+    `ARG` with neither is left out. Raises DockerfileError for a default that cannot expand."""
+    values = {}
+    for word in _WORDS.findall(rest):
+        name, has_default, default = word.partition("=")
+        if name in build_args:
+            values[name] = build_args[name]
+        elif has_default:
+            values[name] = _expand(default.strip("\"'"), variables)
     return values
 
 
@@ -152,10 +173,25 @@ def _is_glob(source: str) -> bool:
     return any(char in source for char in "*?[")
 
 
-def final_image_copies(text: str) -> FinalImageCopies:
-    """The local-file copies that end up in the final image, in order, and what cannot be
-    replayed."""
+@dataclass(frozen=True)
+class Dockerfile:
+    """What harbor-hpc reads of a Dockerfile, with the build args it is built with."""
+
+    # The local-file copies that end up in the final image, in order, and what cannot be
+    # replayed.
+    final: FinalImageCopies
+    # `COPY`/`ADD` sources of any stage that point above the build context.
+    outside: list[str]
+    # The names every `ARG` declares: the build args that can change the image.
+    args: set[str]
+
+
+def read_dockerfile(text: str, build_args: Mapping[str, str] | None = None) -> Dockerfile:
+    """Read a Dockerfile's stages, expanding variables as a build with `build_args` would."""
+    given = build_args or {}
     stages: list[_Stage] = []
+    outside: list[str] = []
+    declared: set[str] = set()
     variables: dict[str, str] = {}
     workdir = "/"
     for line in logical_lines(text):
@@ -169,12 +205,18 @@ def final_image_copies(text: str) -> FinalImageCopies:
             stages.append(_Stage(base, name))
             workdir = "/"
             continue
+        if keyword == "ARG":
+            declared.update(_arg_names(rest))
+            # A default that cannot be expanded leaves the line's ARGs without a value.
+            with contextlib.suppress(DockerfileError):
+                variables.update(_arg_values(rest, variables, given))
+            continue
+        if keyword in ("COPY", "ADD") and "--from" not in rest:
+            outside.extend(_outside(keyword, rest, variables))
         if not stages:
-            if keyword == "ARG":
-                variables.update(_parse_assignments(rest))
             continue
         stage = stages[-1]
-        if keyword in ("ARG", "ENV"):
+        if keyword == "ENV":
             try:
                 values = _parse_assignments(rest)
                 variables.update({key: _expand(v, variables) for key, v in values.items()})
@@ -192,8 +234,29 @@ def final_image_copies(text: str) -> FinalImageCopies:
             else:
                 stage.problems.append(parsed)
     if not stages:
-        return FinalImageCopies([], ["no FROM instruction"])
-    return _collect(stages, len(stages) - 1)
+        final = FinalImageCopies([], ["no FROM instruction"])
+    else:
+        final = _collect(stages, len(stages) - 1)
+    return Dockerfile(final, outside, declared)
+
+
+def _arg_names(rest: str) -> list[str]:
+    return [word.split("=", 1)[0] for word in _WORDS.findall(rest)]
+
+
+def _outside(keyword: str, rest: str, variables: dict[str, str]) -> list[str]:
+    """The sources of one `COPY`/`ADD` that point above the context, expanded where they can
+    be (a source that cannot is checked as written)."""
+    words = [word for word in _split_arguments(rest) if not word.startswith("--")]
+    found = []
+    for word in words[:-1]:
+        try:
+            source = _expand(word, variables)
+        except DockerfileError:
+            source = word
+        if escapes_context(source):
+            found.append(f"{keyword} {source}")
+    return found
 
 
 def _collect(stages: list[_Stage], index: int) -> FinalImageCopies:
@@ -210,15 +273,3 @@ def _collect(stages: list[_Stage], index: int) -> FinalImageCopies:
 def escapes_context(source: str) -> bool:
     """True when a COPY/ADD source names a path above the build context."""
     return posixpath.normpath(posixpath.join("ctx", source)).split("/")[0] != "ctx"
-
-
-def sources_outside_context(text: str) -> list[str]:
-    """Every COPY/ADD source of any stage that points above the build context."""
-    outside: list[str] = []
-    for line in logical_lines(text):
-        keyword, _, rest = line.partition(" ")
-        if keyword.upper() not in ("COPY", "ADD") or "--from" in rest:
-            continue
-        words = [word for word in _split_arguments(rest.strip()) if not word.startswith("--")]
-        outside.extend(f"{keyword.upper()} {s}" for s in words[:-1] if escapes_context(s))
-    return outside

@@ -16,7 +16,7 @@ from typing import Any
 import requests
 from docker import auth
 
-from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.errors import HarborHpcError
 
 MANIFEST_TYPES = ", ".join(
     (
@@ -28,35 +28,6 @@ MANIFEST_TYPES = ", ".join(
 )
 _TIMEOUT = 30
 _PLAIN_HTTP_HOSTS = ("localhost", "127.", "[::1]")
-
-
-@dataclass(frozen=True)
-class RegistryPath:
-    """`REGISTRY/NAMESPACE` split into the host and the path images go under."""
-
-    host: str
-    namespace: str
-
-    @classmethod
-    def parse(cls, value: str) -> RegistryPath:
-        host, _, namespace = value.strip().strip("/").partition("/")
-        if not host or not ("." in host or ":" in host or host == "localhost"):
-            raise InputError(
-                f"--registry {value!r} does not start with a registry host",
-                hint="give REGISTRY/NAMESPACE, e.g. registry.example.org/team or localhost:5000/me",
-            )
-        if namespace and not re.fullmatch(r"[a-z0-9]+([._/-][a-z0-9]+)*", namespace):
-            raise InputError(
-                f"--registry {value!r}: namespace {namespace!r} is not a valid repository path",
-                hint="use lowercase letters, digits and . _ - / only",
-            )
-        return cls(host, namespace)
-
-    def repository(self, name: str) -> str:
-        return "/".join(part for part in (self.host, self.namespace, name) if part)
-
-    def __str__(self) -> str:
-        return "/".join(part for part in (self.host, self.namespace) if part)
 
 
 def login_hint(host: str) -> str:

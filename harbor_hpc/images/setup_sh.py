@@ -21,14 +21,16 @@ import posixpath
 import shlex
 import shutil
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.core.templates import read_template
 from harbor_hpc.images.context import context_files
-from harbor_hpc.images.dockerfile import Copy, escapes_context, final_image_copies
+from harbor_hpc.images.dockerfile import Copy, escapes_context, read_dockerfile
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 
 SETUP_SH = "setup.sh"
@@ -40,9 +42,18 @@ _SERVER_PACKAGES = ("uvicorn", "fastapi")
 
 @dataclass
 class SetupResult:
+    dry_run: bool
+    # Tasks given a setup.sh (or that would be, in a dry run).
     written: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     problems: list[TaskProblem] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "would_write" if self.dry_run else "written": self.written,
+            "kept": self.kept,
+            "problems": [problem.to_json() for problem in self.problems],
+        }
 
 
 @dataclass
@@ -81,19 +92,22 @@ def write_setup_scripts(
     force: bool = False,
     wheels: Path | None = None,
     replay_copy: bool = False,
+    build_args: Mapping[str, str] | None = None,
     dry_run: bool = False,
 ) -> SetupResult:
-    """Give every task under `root` a setup.sh (and staged wheels / replay sources)."""
+    """Give every task under `root` a setup.sh (and staged wheels / replay sources).
+
+    `build_args` are those the images were built with: the replayed copies expand them."""
     wheel_files = check_wheels(wheels) if wheels else []
     discovery = discover_tasks(root, require_dockerfile=replay_copy)
-    result = SetupResult(problems=list(discovery.problems))
+    result = SetupResult(dry_run, problems=list(discovery.problems))
     for task in discovery.tasks:
         files = task.environment_dir / "files"
         if (files / SETUP_SH).exists() and not force:
             result.kept.append(task.rel)
             continue
         try:
-            replay = plan_replay(task) if replay_copy else _Replay()
+            replay = plan_replay(task, build_args) if replay_copy else _Replay()
         except (ReplayError, OSError) as exc:
             result.problems.append(TaskProblem(task.dockerfile, f"cannot replay: {exc}"))
             continue
@@ -115,9 +129,9 @@ def render_setup_sh(replay_lines: list[str]) -> str:
     return read_template(SETUP_SH).replace(_PLACEHOLDER, "\n    ".join(body))
 
 
-def plan_replay(task: Task) -> _Replay:
+def plan_replay(task: Task, build_args: Mapping[str, str] | None = None) -> _Replay:
     """The replay commands for the task's final image and the context paths they need."""
-    final = final_image_copies(task.dockerfile.read_text(errors="replace"))
+    final = read_dockerfile(task.dockerfile.read_text(errors="replace"), build_args).final
     if final.problems:
         raise ReplayError("; ".join(final.problems))
     context = task.environment_dir

@@ -20,6 +20,7 @@ names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from harbor_hpc.apptainer.errors import (
@@ -31,40 +32,65 @@ from harbor_hpc.apptainer.errors import (
     UnsupportedTask,
 )
 
-_CLASS_OF_EXCEPTION: dict[str, str] = {
+
+class FailureClass(StrEnum):
+    """The classes above; `status`, `export` and run records carry their values."""
+
+    IMAGE = "image"
+    ENVIRONMENT = "environment"
+    UNSUPPORTED = "unsupported"
+    SETUP = "setup"
+    MEMORY = "memory"
+    TIMEOUT = "timeout"
+    VERIFIER = "verifier"
+    AGENT = "agent"
+    INFRASTRUCTURE = "infrastructure"
+
+
+class AttemptState(StrEnum):
+    """Where a task attempt stands; a trial that ended is `done` or `failed`."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_CLASS_OF_EXCEPTION: dict[str, FailureClass] = {
     # our environment's (harbor_hpc.apptainer.errors)
-    ImageUnavailable.__name__: "image",
-    SetupScriptFailed.__name__: "setup",
-    ContainerStartFailed.__name__: "environment",
-    UnsupportedTask.__name__: "unsupported",
-    MemoryLimitExceeded.__name__: "memory",
-    ContainerDied.__name__: "infrastructure",
+    ImageUnavailable.__name__: FailureClass.IMAGE,
+    SetupScriptFailed.__name__: FailureClass.SETUP,
+    ContainerStartFailed.__name__: FailureClass.ENVIRONMENT,
+    UnsupportedTask.__name__: FailureClass.UNSUPPORTED,
+    MemoryLimitExceeded.__name__: FailureClass.MEMORY,
+    ContainerDied.__name__: FailureClass.INFRASTRUCTURE,
     # Harbor's own Singularity environment, for runs made with it
-    "MemoryLimitExceededError": "memory",
+    "MemoryLimitExceededError": FailureClass.MEMORY,
     # harbor.trial.errors
-    "AgentTimeoutError": "timeout",
-    "AgentSetupTimeoutError": "timeout",
-    "VerifierTimeoutError": "timeout",
-    "EnvironmentStartTimeoutError": "environment",
+    "AgentTimeoutError": FailureClass.TIMEOUT,
+    "AgentSetupTimeoutError": FailureClass.TIMEOUT,
+    "VerifierTimeoutError": FailureClass.TIMEOUT,
+    "EnvironmentStartTimeoutError": FailureClass.ENVIRONMENT,
     # harbor.environments.base
-    "HealthcheckError": "setup",
+    "HealthcheckError": FailureClass.SETUP,
     # harbor.verifier.verifier
-    "AddTestsDirError": "verifier",
-    "VerifierOutputParseError": "verifier",
-    "DownloadVerifierDirError": "verifier",
-    "RewardFileNotFoundError": "verifier",
-    "RewardFileEmptyError": "verifier",
+    "AddTestsDirError": FailureClass.VERIFIER,
+    "VerifierOutputParseError": FailureClass.VERIFIER,
+    "DownloadVerifierDirError": FailureClass.VERIFIER,
+    "RewardFileNotFoundError": FailureClass.VERIFIER,
+    "RewardFileEmptyError": FailureClass.VERIFIER,
     # The worker was stopped in the middle of the trial (scancel, preemption, time limit).
-    "CancelledError": "infrastructure",
+    "CancelledError": FailureClass.INFRASTRUCTURE,
 }
 
 MESSAGE_LIMIT = 300
 
 
-def failure_class(exception_type: str, *, agent_started: bool = True) -> str:
+def failure_class(exception_type: str, *, agent_started: bool = True) -> FailureClass:
     """The failure class of an exception type name. Anything unknown is the agent's once the
     agent started, and the environment's before (a container that never came up)."""
-    return _CLASS_OF_EXCEPTION.get(exception_type, "agent" if agent_started else "environment")
+    unknown = FailureClass.AGENT if agent_started else FailureClass.ENVIRONMENT
+    return _CLASS_OF_EXCEPTION.get(exception_type, unknown)
 
 
 def short_message(exception_type: str, message: str) -> str:
@@ -78,14 +104,14 @@ def short_message(exception_type: str, message: str) -> str:
 class Outcome:
     """What one finished trial came to: done (maybe with reward 0) or failed with a class."""
 
-    failure: str | None
+    failure: FailureClass | None
     message: str | None
     reward: float | None
     rewards: dict[str, float]
 
     @property
-    def state(self) -> str:
-        return "failed" if self.failure else "done"
+    def state(self) -> AttemptState:
+        return AttemptState.FAILED if self.failure else AttemptState.DONE
 
 
 def primary_reward(rewards: dict[str, float]) -> float | None:

@@ -10,6 +10,7 @@ token data in `agent_result.metadata` instead have it passed through as `agent_m
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_text, read_json
 from harbor_hpc.results.classify import outcome_of_result
 from harbor_hpc.results.record import Marker, RunPaths, RunRecord, load_run, read_markers
+from harbor_hpc.results.status import trial_outcome
 
 SCHEMA = "harbor-hpc/rollout/v1"
 # Where Harbor's agents write an ATIF trajectory, relative to the trial folder.
@@ -61,7 +63,7 @@ def rollout(
     record: RunRecord, run_dir: Path, marker: Marker, result: dict[str, Any]
 ) -> dict[str, Any]:
     """One finished trial as an export line."""
-    outcome = outcome_of_result(result)
+    outcome = trial_outcome(marker, outcome_of_result(result))
     trial_dir = RunPaths(run_dir).trial(marker.trial)
     agent_result = result.get("agent_result") or {}
     agent_info = result.get("agent_info") or {}
@@ -111,8 +113,20 @@ def collect_rollouts(run_dir: Path) -> list[dict[str, Any]]:
     return rollouts
 
 
-def export_run(run_dir: Path, out: Path, *, dry_run: bool = False) -> int:
-    """Write the run's rollouts to `out` (JSONL, atomically); returns how many."""
+@dataclass(frozen=True)
+class Export:
+    """How many rollouts went (or, in a dry run, would go) to `out`."""
+
+    out: Path
+    rollouts: int
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"out": str(self.out), "rollouts": self.rollouts, "dry_run": self.dry_run}
+
+
+def export_run(run_dir: Path, out: Path, *, dry_run: bool = False) -> Export:
+    """Write the run's rollouts to `out` (JSONL, atomically)."""
     rollouts = collect_rollouts(run_dir)
     if not dry_run:
         text = "".join(json.dumps(line, default=str) + "\n" for line in rollouts)
@@ -123,4 +137,4 @@ def export_run(run_dir: Path, out: Path, *, dry_run: bool = False) -> int:
                 f"{out}: cannot write the rollouts ({exc.strerror})",
                 hint="give --out a file path in a folder you can write",
             ) from None
-    return len(rollouts)
+    return Export(out, len(rollouts), dry_run)

@@ -1,9 +1,11 @@
 """Where every task attempt of a run stands, while the run goes on and after, without sacct.
 
 Clusters often run without Slurm accounting, so a job's fate is pieced together from what is
-left: `squeue` for jobs still queued or running (a local run: whether the controller process
-lives), the markers workers write when they start a trial, and Harbor's result.json that a trial
-writes when it ends. For each task attempt the newest trial decides:
+left: the markers workers write when they start a trial, Harbor's result.json that a trial
+writes when it ends, and which of the run's jobs still live. That last one only the executor
+knows (squeue, or the local controller process): the caller hands it in as a set of job ids
+(`harbor_hpc.slurm.runs` does), so this module only reads files. For each task attempt the
+newest trial decides:
 
     result.json present                  done, or failed with the class of its exception
     marker only, its job alive           running
@@ -15,20 +17,17 @@ writes when it ends. For each task attempt the newest trial decides:
 
 from __future__ import annotations
 
-import re
-import shutil
-import socket
-import subprocess
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
 from harbor_hpc.results.classify import (
+    AttemptState,
+    FailureClass,
     Outcome,
     failure_class,
     outcome_of_result,
@@ -40,14 +39,8 @@ from harbor_hpc.results.record import (
     RunRecord,
     Submission,
     Unit,
-    load_run,
     read_markers,
 )
-
-STATES = ("pending", "running", "done", "failed")
-
-# squeue prints not-yet-expanded array elements as `1234_[3-7%2]`.
-_ARRAY_RANGE = re.compile(r"^(\d+)_\[([^\]]+)\]$")
 
 
 @dataclass
@@ -55,62 +48,13 @@ class AttemptStatus:
     task: str
     attempt: int
     trial: str | None
-    state: str
+    state: AttemptState
     reward: float | None
-    failure: str | None
+    failure: FailureClass | None
     message: str | None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _expand_array(job: str) -> list[str]:
-    match = _ARRAY_RANGE.match(job)
-    if not match:
-        return [job]
-    base, spec = match.groups()
-    ids: list[str] = []
-    for part in spec.split("%", 1)[0].split(","):
-        first, _, last = part.partition("-")
-        ids.extend(f"{base}_{i}" for i in range(int(first), int(last or first) + 1))
-    return ids
-
-
-def queued_slurm_jobs(job_ids: list[str]) -> set[str]:
-    """Which array elements (`1234_5`) or plain jobs of `job_ids` squeue still knows."""
-    if not job_ids:
-        return set()
-    squeue = shutil.which("squeue")
-    if squeue is None:
-        raise HarborHpcError(
-            "squeue is not on PATH, so the state of this run's Slurm jobs is unknown",
-            hint="run status on a login node of the cluster that ran the jobs",
-        )
-    result = subprocess.run(
-        [squeue, "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        if "Invalid job id" in result.stderr:
-            return set()  # every job has left the queue (squeue only errs for a lone id)
-        raise HarborHpcError(f"squeue failed: {result.stderr.strip()}")
-    queued: set[str] = set()
-    for line in result.stdout.split():
-        queued.update(_expand_array(line.strip()))
-    return queued
-
-
-def _local_job_alive(submission: Submission, job: str) -> bool:
-    """A local job is its controller process; from another host its fate cannot be seen."""
-    if submission.host != socket.gethostname():
-        return True
-    try:
-        process = psutil.Process(int(job))
-        return process.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, ValueError):
-        return False
 
 
 @dataclass
@@ -120,22 +64,13 @@ class _JobFate:
     alive: bool
 
 
-def _job_fates(record: RunRecord) -> dict[Unit, _JobFate]:
+def _job_fates(record: RunRecord, alive: Collection[str]) -> dict[Unit, _JobFate]:
     """For each unit, the job of the latest submission that included it and whether it lives."""
-    queued = queued_slurm_jobs(
-        [job for sub in record.submissions if sub.executor == "slurm" for job in sub.job_ids]
-    )
     fates: dict[Unit, _JobFate] = {}
     for sub in record.submissions:
         for chunk in sub.chunks:
-            if chunk.job is None:
-                alive = False
-            elif sub.executor == "slurm":
-                alive = chunk.job in queued or chunk.job.split("_", 1)[0] in queued
-            else:
-                alive = _local_job_alive(sub, chunk.job)
             for unit in chunk.units:
-                fates[unit] = _JobFate(sub, chunk.job, alive)
+                fates[unit] = _JobFate(sub, chunk.job, chunk.job is not None and chunk.job in alive)
     return fates
 
 
@@ -145,20 +80,29 @@ def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
     if not result_path.is_file():
         if marker.error_type:
             message = short_message(marker.error_type, marker.error_message or "")
-            return Outcome(failure_class(marker.error_type, agent_started=False), message, None, {})
+            failure = failure_class(marker.error_type, agent_started=False)
+            return trial_outcome(marker, Outcome(failure, message, None, {}))
         return None
     try:
         result = read_json(result_path)
     except HarborHpcError as exc:
-        return Outcome("infrastructure", f"unreadable result: {exc.message}", None, {})
-    outcome = outcome_of_result(result)
-    if outcome.failure and marker.terminated_by:
-        # The job's end broke the trial; what the container then raised is beside the point.
-        message = (
-            f"job {marker.job} got {marker.terminated_by} during the trial ({outcome.message})"
-        )
-        return Outcome("infrastructure", message, outcome.reward, outcome.rewards)
-    return outcome
+        message = f"unreadable result: {exc.message}"
+        return Outcome(FailureClass.INFRASTRUCTURE, message, None, {})
+    return trial_outcome(marker, outcome_of_result(result))
+
+
+def trial_outcome(marker: Marker, outcome: Outcome) -> Outcome:
+    """What the trial of `marker` came to, given what Harbor (or the worker) recorded.
+
+    A trial that the job's end broke is infrastructure, to run again, whatever it recorded: the
+    error the dying container raised, or a reward (often 0) that the verifier gave an agent
+    the signal cut short.
+    """
+    if not marker.terminated_by:
+        return outcome
+    said = outcome.message or f"reward {outcome.reward}"
+    message = f"job {marker.job} got {marker.terminated_by} during the trial ({said})"
+    return Outcome(FailureClass.INFRASTRUCTURE, message, outcome.reward, outcome.rewards)
 
 
 def latest_markers(markers: list[Marker]) -> dict[Unit, Marker]:
@@ -168,10 +112,12 @@ def latest_markers(markers: list[Marker]) -> dict[Unit, Marker]:
     return latest
 
 
-def attempt_statuses(run_dir: Path, record: RunRecord | None = None) -> list[AttemptStatus]:
-    """One status per task attempt of the run, in task order."""
-    record = record or load_run(run_dir)
-    fates = _job_fates(record)
+def attempt_statuses(
+    run_dir: Path, record: RunRecord, alive: Collection[str]
+) -> list[AttemptStatus]:
+    """One status per task attempt of the run, in task order; `alive` holds the ids of the
+    run's jobs (array elements, local processes) that are still queued or running."""
+    fates = _job_fates(record, alive)
     newest = latest_markers(read_markers(run_dir))
     statuses = []
     for unit in record.units():
@@ -192,7 +138,9 @@ def _status_of(
     if marker is not None and fate is not None and fate.submission.number > marker.submission:
         marker = None
 
-    def status(state: str, failure: str | None = None, message: str | None = None) -> AttemptStatus:
+    def status(
+        state: AttemptState, failure: FailureClass | None = None, message: str | None = None
+    ) -> AttemptStatus:
         trial = marker.trial if marker else None
         return AttemptStatus(unit.task, unit.attempt, trial, state, None, failure, message)
 
@@ -209,9 +157,10 @@ def _status_of(
                 outcome.message,
             )
     if fate is not None and fate.alive:
-        return status("running" if marker is not None else "pending")
+        return status(AttemptState.RUNNING if marker is not None else AttemptState.PENDING)
+    failed, lost = AttemptState.FAILED, FailureClass.INFRASTRUCTURE
     if unit.task in record.image_problems and marker is None:
-        return status("failed", "image", record.image_problems[unit.task])
+        return status(failed, FailureClass.IMAGE, record.image_problems[unit.task])
     if marker is not None:
         trial_dir = RunPaths(run_dir).trial(marker.trial)
         reason = (
@@ -220,15 +169,15 @@ def _status_of(
             else f"job {marker.job} ended before the trial wrote result.json "
             "(cancelled, killed, out of time or node failure)"
         )
-        return status("failed", "infrastructure", f"no result: {reason}")
+        return status(failed, lost, f"no result: {reason}")
     if fate is None:
-        return status("failed", "infrastructure", "never submitted")
+        return status(failed, lost, "never submitted")
     if fate.job is None:
-        return status("failed", "infrastructure", "its submission failed before a job was queued")
+        return status(failed, lost, "its submission failed before a job was queued")
     log = RunPaths(run_dir).submitit / fate.job
     return status(
-        "failed",
-        "infrastructure",
+        failed,
+        lost,
         f"job {fate.job} ended before this trial started (cancelled, killed, or it failed: "
         f"see its log in {log})",
     )
@@ -243,7 +192,7 @@ class Summary:
 
     @property
     def finished(self) -> bool:
-        return self.states.get("pending", 0) + self.states.get("running", 0) == 0
+        return self.states[AttemptState.PENDING] + self.states[AttemptState.RUNNING] == 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -252,10 +201,25 @@ class Summary:
 def summarize(statuses: list[AttemptStatus]) -> Summary:
     states = Counter(s.state for s in statuses)
     failures = Counter(s.failure for s in statuses if s.failure)
-    rewards = [s.reward for s in statuses if s.state == "done" and s.reward is not None]
+    rewards = [s.reward for s in statuses if s.state == AttemptState.DONE and s.reward is not None]
     return Summary(
-        states={state: states.get(state, 0) for state in STATES},
+        states={str(state): states.get(state, 0) for state in AttemptState},
         failures=dict(sorted(failures.items())),
         mean_reward=sum(rewards) / len(rewards) if rewards else None,
         total=len(statuses),
     )
+
+
+@dataclass
+class RunStatus:
+    """Every attempt of a run and their counts: what `status` shows and `--wait` follows."""
+
+    attempts: list[AttemptStatus]
+    summary: Summary
+
+    @classmethod
+    def of(cls, attempts: list[AttemptStatus]) -> RunStatus:
+        return cls(attempts, summarize(attempts))
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [attempt.to_json() for attempt in self.attempts]

@@ -17,17 +17,21 @@ which clusters often lack) whether an element without a result is still alive.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
+
+import submitit
+from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from harbor_hpc.apptainer.store import ensure_sif, is_ready, nohttps_default, sif_path_for
 from harbor_hpc.core.errors import HarborHpcError, InputError
-from harbor_hpc.results.status import queued_slurm_jobs
+from harbor_hpc.slurm import cluster
+from harbor_hpc.slurm.cluster import Executor, JobRequest
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
     Manifest,
@@ -36,17 +40,26 @@ from harbor_hpc.tasks.manifest import (
     update_manifest,
 )
 
-if TYPE_CHECKING:
-    import submitit
-
 log = logging.getLogger(__name__)
 
-SourceKind = Literal["registry", "docker-daemon"]
-State = Literal["cached", "converted", "failed", "to convert"]
+
+class Source(StrEnum):
+    """Where images come from: the registry by digest, or this machine's Docker by tag."""
+
+    REGISTRY = "registry"
+    DOCKER_DAEMON = "docker-daemon"
+
+
+class ConversionState(StrEnum):
+    CONVERTED = "converted"
+    CACHED = "cached"
+    TO_CONVERT = "to convert"
+    FAILED = "failed"
+
 
 # mksquashfs is the slow part and uses every core it gets; memory stays modest.
 SLURM_CPUS = 2
-SLURM_MEM_GB = 4
+SLURM_MEM_MB = 4096
 POLL_S = 2.0
 # A result file can show up on a shared filesystem a little after its job left the queue.
 VANISHED_GRACE_S = 30.0
@@ -64,14 +77,14 @@ class ImageConversion:
     # Tasks whose author set this image as their verifier's (its .sif is recorded per task).
     verifier_of: list[str] = field(default_factory=list)
     sif: Path | None = None
-    state: State = "to convert"
+    state: ConversionState = ConversionState.TO_CONVERT
     error: str | None = None
     hint: str | None = None
     seconds: float | None = None
 
     @property
     def ok(self) -> bool:
-        return self.state in ("cached", "converted")
+        return self.state in (ConversionState.CACHED, ConversionState.CONVERTED)
 
     def tasks_text(self, shown: int = 3) -> str:
         names = ", ".join(self.tasks[:shown]) or "no tasks"
@@ -79,7 +92,7 @@ class ImageConversion:
         return f"{names} and {more} more" if more > 0 else names
 
     def fail(self, error: str, hint: str | None = None) -> None:
-        self.state, self.error, self.hint = "failed", error, hint
+        self.state, self.error, self.hint = ConversionState.FAILED, error, hint
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,11 +107,10 @@ class ImageConversion:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlurmOptions:
     """Where and how the conversion array job runs; None fields leave Slurm's defaults."""
 
-    log_dir: Path
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -106,11 +118,114 @@ class SlurmOptions:
     array_parallelism: int | None = None
 
 
+@dataclass(frozen=True)
+class ConversionArray:
+    """The Slurm array job converting the images, once queued: one element per image."""
+
+    job: str
+    images: int
+    log_dir: Path
+
+
+def slurm_log_dir(store: Path) -> Path:
+    """Where the conversion jobs write their logs: in the store, which every node reaches."""
+    return store.expanduser().absolute() / ".slurm"
+
+
+def parse_source(text: str) -> Source:
+    try:
+        return Source(text)
+    except ValueError:
+        known = ", ".join(Source)
+        raise InputError(f"--source {text!r} is not one of: {known}") from None
+
+
+@dataclass(frozen=True)
+class ConvertRequest:
+    """One `convert`: the manifest's images into the store, here (`jobs` at a time) or, with
+    `slurm`, on compute nodes."""
+
+    manifest: Path
+    store: Path
+    source: Source = Source.REGISTRY
+    nohttps: bool | None = None
+    force: bool = False
+    jobs: int = 2
+    slurm: SlurmOptions | None = None
+    dry_run: bool = False
+
+
+@dataclass
+class ConvertReport:
+    """Every distinct image of the manifest and how it went (or would go, in a dry run)."""
+
+    store: Path
+    dry_run: bool
+    images: list[ImageConversion]
+
+    @property
+    def counts(self) -> dict[ConversionState, int]:
+        return {state: sum(c.state is state for c in self.images) for state in ConversionState}
+
+    @property
+    def failed(self) -> bool:
+        return any(c.state is ConversionState.FAILED for c in self.images)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cache_dir": str(self.store),
+            "dry_run": self.dry_run,
+            **{state.replace(" ", "_"): count for state, count in self.counts.items()},
+            "images": [c.to_json() for c in self.images],
+        }
+
+
+def convert_images(
+    request: ConvertRequest,
+    *,
+    on_planned: Callable[[int], None] | None = None,
+    on_done: Callable[[ImageConversion], None] | None = None,
+    on_submitted: Callable[[ConversionArray], None] | None = None,
+) -> ConvertReport:
+    """Plan the manifest's images and, unless a dry run, convert the ones not yet in the store.
+
+    `on_planned` hears how many images are to be converted before the work starts; `on_done`
+    and `on_submitted` as in `run_conversions`.
+    """
+    if request.slurm is not None and request.source is Source.DOCKER_DAEMON:
+        raise InputError(
+            "--source docker-daemon reads this machine's Docker, which compute nodes lack",
+            hint="push the images (`harbor-hpc build`) and convert from the registry with --slurm",
+        )
+    planned = plan_conversions(
+        request.manifest,
+        request.store,
+        source=request.source,
+        nohttps=request.nohttps,
+        force=request.force,
+    )
+    if not request.dry_run:
+        if on_planned is not None:
+            on_planned(sum(c.state is ConversionState.TO_CONVERT for c in planned))
+        run_conversions(
+            request.manifest,
+            planned,
+            request.store,
+            jobs=request.jobs,
+            nohttps=request.nohttps,
+            force=request.force,
+            slurm=request.slurm,
+            on_done=on_done,
+            on_submitted=on_submitted,
+        )
+    return ConvertReport(request.store, request.dry_run, planned)
+
+
 def plan_conversions(
     manifest_path: Path,
     cache_dir: Path,
     *,
-    source: SourceKind = "registry",
+    source: Source = Source.REGISTRY,
     nohttps: bool | None = None,
     force: bool = False,
 ) -> list[ImageConversion]:
@@ -129,7 +244,7 @@ def plan_conversions(
     unusable: list[ImageConversion] = []
     candidates = [_conversion_for(rec, key, source) for key, rec in sorted(manifest.images.items())]
     for conversion in [*candidates, *_author_references(manifest)]:
-        if conversion.state == "failed":
+        if conversion.state is ConversionState.FAILED:
             unusable.append(conversion)
             continue
         try:
@@ -146,7 +261,7 @@ def plan_conversions(
             continue
         conversion.sif = sif
         if not force and is_ready(sif):
-            conversion.state = "cached"
+            conversion.state = ConversionState.CACHED
         by_sif[sif] = conversion
     return [*by_sif.values(), *unusable]
 
@@ -165,9 +280,9 @@ def _author_references(manifest: Manifest) -> list[ImageConversion]:
     ]
 
 
-def _conversion_for(record: ImageRecord, key: str, source: SourceKind) -> ImageConversion:
+def _conversion_for(record: ImageRecord, key: str, source: Source) -> ImageConversion:
     users = sorted({*record.tasks, *record.verifier_tasks})
-    if source == "docker-daemon":
+    if source is Source.DOCKER_DAEMON:
         image = record.tagged
         conversion = ImageConversion(image, f"docker-daemon://{image}", [key], users)
     else:
@@ -177,7 +292,7 @@ def _conversion_for(record: ImageRecord, key: str, source: SourceKind) -> ImageC
         conversion.fail(
             f"the image was not built: {record.error}", "fix the build and run `harbor-hpc build`"
         )
-    elif source == "registry" and record.reference is None:
+    elif source is Source.REGISTRY and record.reference is None:
         conversion.fail(
             "the image has no registry digest (not pushed yet)",
             "run `harbor-hpc build` to push it, or convert with --source docker-daemon",
@@ -195,17 +310,17 @@ def run_conversions(
     force: bool = False,
     slurm: SlurmOptions | None = None,
     on_done: Callable[[ImageConversion], None] | None = None,
-    on_submitted: Callable[[str], None] | None = None,
+    on_submitted: Callable[[ConversionArray], None] | None = None,
 ) -> list[ImageConversion]:
     """Convert the planned images not yet cached and record every good .sif in the manifest.
 
     `on_done` is called once per converted or failed image, as it finishes (for progress);
-    `on_submitted` with the Slurm array job's id once it is queued.
+    `on_submitted` once the Slurm array job is queued.
     """
     cache_dir = cache_dir.expanduser().absolute()
     use_http = nohttps_default() if nohttps is None else nohttps
-    _record(manifest_path, [c for c in conversions if c.state == "cached"])
-    todo = [c for c in conversions if c.state == "to convert"]
+    _record(manifest_path, [c for c in conversions if c.state is ConversionState.CACHED])
+    todo = [c for c in conversions if c.state is ConversionState.TO_CONVERT]
     if not todo:
         return conversions
     if slurm is None:
@@ -293,7 +408,7 @@ def _apply(conversion: ImageConversion, outcome: dict[str, Any]) -> None:
     conversion.seconds = outcome.get("seconds")
     if "sif" in outcome:
         conversion.sif = Path(outcome["sif"])
-        conversion.state = "converted"
+        conversion.state = ConversionState.CONVERTED
     else:
         # The store names the image first; the report names it already.
         error = str(outcome.get("error")).removeprefix(f"{conversion.source}: ")
@@ -307,45 +422,37 @@ def _convert_on_slurm(
     *,
     nohttps: bool,
     force: bool,
-    on_submitted: Callable[[str], None] | None,
+    on_submitted: Callable[[ConversionArray], None] | None,
 ) -> Iterable[ImageConversion]:
-    import submitit  # here: it costs a tenth of a second at every start of the CLI otherwise
-    from submitit.core.utils import FailedJobError
-
-    if shutil.which("sbatch") is None:
-        raise HarborHpcError(
-            "--slurm, but sbatch is not on PATH",
-            hint="run convert on a login node of the cluster, or without --slurm",
-        )
-    executor = submitit.AutoExecutor(folder=options.log_dir / "%j", cluster="slurm")
-    parameters: dict[str, Any] = {
-        "name": "harbor-hpc-convert",
-        "timeout_min": options.time_min,
-        "cpus_per_task": SLURM_CPUS,
-        "mem_gb": SLURM_MEM_GB,
-        "slurm_partition": options.partition,
-        "slurm_account": options.account,
-        "slurm_qos": options.qos,
-        "slurm_array_parallelism": options.array_parallelism,
-    }
-    executor.update_parameters(**{k: v for k, v in parameters.items() if v is not None})
+    cluster.require_sbatch(
+        "--slurm", hint="run convert on a login node of the cluster, or without --slurm"
+    )
+    log_dir = slurm_log_dir(cache_dir)
+    request = JobRequest(
+        name="harbor-hpc-convert",
+        time_min=options.time_min,
+        mem_mb=SLURM_MEM_MB,
+        cpus=SLURM_CPUS,
+        partition=options.partition,
+        account=options.account,
+        qos=options.qos,
+        array_parallelism=options.array_parallelism,
+    )
+    pool = cluster.executor(log_dir / "%j", Executor.SLURM, request)
     # Registry credentials reach the nodes in the environment sbatch exports, never in the
     # job's script or its pickled arguments.
-    try:
-        jobs = executor.map_array(
-            convert_one,
-            [c.source for c in todo],
-            [str(cache_dir)] * len(todo),
-            [nohttps] * len(todo),
-            [force] * len(todo),
-        )
-    except FailedJobError as exc:  # what submitit raises when sbatch refuses the job
-        raise HarborHpcError(
-            f"Slurm refused the conversion job: {' '.join(str(exc).split())}",
-            hint="check --partition, --account and --qos (`sinfo` lists the partitions)",
-        ) from None
+    jobs = cluster.submit_array(
+        pool,
+        convert_one,
+        [c.source for c in todo],
+        [str(cache_dir)] * len(todo),
+        [nohttps] * len(todo),
+        [force] * len(todo),
+        what="the conversion job",
+        hint="check --partition, --account and --qos (`sinfo` lists the partitions)",
+    )
     if on_submitted is not None:
-        on_submitted(jobs[0].job_id.split("_")[0])
+        on_submitted(ConversionArray(jobs[0].job_id.split("_")[0], len(jobs), log_dir))
     pending = dict(zip(jobs, todo, strict=True))
     vanished: dict[submitit.Job[dict[str, Any]], float] = {}
     last_squeue = time.monotonic()
@@ -356,7 +463,7 @@ def _convert_on_slurm(
             yield conversion
         if pending and time.monotonic() - last_squeue >= SQUEUE_EVERY_S:
             last_squeue = time.monotonic()
-            alive = queued_slurm_jobs([job.job_id for job in pending])
+            alive = cluster.queued_jobs([job.job_id for job in pending])
             now = time.monotonic()
             for job in [j for j in pending if j.job_id not in alive]:
                 if now - vanished.setdefault(job, now) >= VANISHED_GRACE_S:
@@ -371,8 +478,6 @@ def _convert_on_slurm(
 
 
 def _job_outcome(job: submitit.Job[dict[str, Any]]) -> dict[str, Any]:
-    from submitit.core.utils import FailedJobError, UncompletedJobError
-
     try:
         return job.result()
     except (FailedJobError, UncompletedJobError) as exc:

@@ -10,17 +10,14 @@ larger than the partition's biggest node would never start, so they are cut to t
 from __future__ import annotations
 
 import math
-import shutil
-import subprocess
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.slurm.cluster import NodeLimits
 from harbor_hpc.tasks.discovery import Task
 
-# Harbor's defaults when task.toml leaves them out (harbor.models.task.config).
+# Harbor's defaults when task.toml leaves them out (the verifier's, TaskConfig applies).
 DEFAULT_AGENT_TIMEOUT_SEC = 600.0
-DEFAULT_VERIFIER_TIMEOUT_SEC = 600.0
 DEFAULT_MEMORY_MB = 2048
 # Starting a container, copying files in and out, stopping it: per trial, on a busy node.
 ENVIRONMENT_OVERHEAD_SEC = 120.0
@@ -28,8 +25,6 @@ ENVIRONMENT_OVERHEAD_SEC = 120.0
 WORKER_MEMORY_MB = 1024
 TIME_HEADROOM = 1.25
 TIME_HEADROOM_MIN = 5
-# Slurm's own default when the configuration does not say.
-DEFAULT_MAX_ARRAY_SIZE = 1001
 
 
 @dataclass(frozen=True)
@@ -51,9 +46,8 @@ def chunked[T](items: list[T], size: int) -> list[list[T]]:
 
 def trial_budget_sec(task: Task) -> float:
     """The longest one trial of `task` may take: its timeouts plus the environment's overhead."""
-    agent = task.timeout_sec("agent") or DEFAULT_AGENT_TIMEOUT_SEC
-    verifier = task.timeout_sec("verifier") or DEFAULT_VERIFIER_TIMEOUT_SEC
-    return agent + verifier + ENVIRONMENT_OVERHEAD_SEC
+    agent = task.agent_timeout_sec or DEFAULT_AGENT_TIMEOUT_SEC
+    return agent + task.verifier_timeout_sec + ENVIRONMENT_OVERHEAD_SEC
 
 
 def element_resources(tasks: list[Task], *, trials: int, concurrency: int) -> Resources:
@@ -67,33 +61,6 @@ def element_resources(tasks: list[Task], *, trials: int, concurrency: int) -> Re
     return Resources(time_min, parallel * memory + WORKER_MEMORY_MB, parallel * cpus)
 
 
-@dataclass(frozen=True)
-class NodeLimits:
-    cpus: int
-    mem_mb: int
-
-
-def partition_limits(partition: str | None) -> NodeLimits | None:
-    """The biggest node of `partition` (the default partition when None), from sinfo."""
-    sinfo = shutil.which("sinfo")
-    if sinfo is None:
-        return None
-    command = [sinfo, "-h", "-o", "%c %m"]
-    if partition:
-        command += ["-p", partition]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    nodes = []
-    for line in result.stdout.splitlines():
-        cpus, _, mem = line.strip().partition(" ")
-        try:
-            nodes.append(NodeLimits(int(cpus.rstrip("+")), int(mem.rstrip("+"))))
-        except ValueError:
-            continue
-    if not nodes:
-        return None
-    return max(nodes, key=lambda node: (node.mem_mb, node.cpus))
-
-
 def fit_to_node(resources: Resources, limits: NodeLimits | None) -> Resources:
     if limits is None:
         return resources
@@ -102,27 +69,3 @@ def fit_to_node(resources: Resources, limits: NodeLimits | None) -> Resources:
         min(resources.mem_mb, limits.mem_mb),
         min(resources.cpus, limits.cpus),
     )
-
-
-def max_array_size() -> int:
-    """How many elements one Slurm array may have (MaxArraySize in `scontrol show config`)."""
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        raise HarborHpcError("scontrol is not on PATH", hint="run submit where Slurm is set up")
-    result = subprocess.run(
-        [scontrol, "show", "config"], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        raise HarborHpcError(f"scontrol show config failed: {result.stderr.strip()}")
-    return parse_max_array_size(result.stdout)
-
-
-def parse_max_array_size(config_text: str) -> int:
-    for line in config_text.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "MaxArraySize":
-            try:
-                return int(value.strip())
-            except ValueError:
-                break
-    return DEFAULT_MAX_ARRAY_SIZE

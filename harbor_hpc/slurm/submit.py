@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import submitit
-
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, environment_class
 from harbor_hpc.apptainer.store import sif_file
+from harbor_hpc.core.config import chosen_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.record import (
     Chunk,
     RunPaths,
@@ -35,19 +35,16 @@ from harbor_hpc.results.record import (
     update_run,
 )
 from harbor_hpc.results.status import AttemptStatus, attempt_statuses
-from harbor_hpc.slurm.resources import (
-    Resources,
-    chunked,
-    element_resources,
-    fit_to_node,
-    max_array_size,
-    partition_limits,
-)
+from harbor_hpc.slurm import cluster
+from harbor_hpc.slurm.cluster import Executor, JobRequest, choose_executor
+from harbor_hpc.slurm.resources import Resources, chunked, element_resources, fit_to_node
+from harbor_hpc.slurm.runs import live_jobs
 from harbor_hpc.slurm.worker import ChunkWorker
 from harbor_hpc.tasks.discovery import Task, discover_tasks, load_task
 
 ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
-EXECUTORS = ("auto", "slurm", "local")
+# The .sif store's kwarg, as our environment and Harbor's own Singularity environment take it.
+CACHE_KWARG = "singularity_image_cache_dir"
 
 
 @dataclass
@@ -57,7 +54,10 @@ class SubmitOptions:
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
     environment: str = ENVIRONMENT
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
-    executor: str = "auto"
+    # `--cache-dir` and `--scratch-dir` as given: they reach the environment as kwargs.
+    cache_dir: Path | None = None
+    scratch_dir: Path | None = None
+    executor: str = Executor.AUTO
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -91,7 +91,7 @@ class SubmitOptions:
 @dataclass
 class SubmitResult:
     run_dir: Path
-    executor: str
+    executor: Executor
     submission: int | None
     job_ids: list[str]
     units: list[Unit]
@@ -140,19 +140,6 @@ def parse_sbatch_args(args: list[str]) -> dict[str, Any]:
             )
         extra[key.replace("-", "_")] = value if sep else True
     return extra
-
-
-def choose_executor(executor: str) -> str:
-    if executor not in EXECUTORS:
-        raise InputError(f"--executor {executor!r} is not one of {', '.join(EXECUTORS)}")
-    if executor == "auto":
-        return "slurm" if shutil.which("sbatch") else "local"
-    if executor == "slurm" and not shutil.which("sbatch"):
-        raise HarborHpcError(
-            "--executor slurm, but sbatch is not on PATH",
-            hint="run on a Slurm login node (`module load slurm`?) or use --executor local",
-        )
-    return executor
 
 
 def image_problem(task: Task) -> str | None:
@@ -230,6 +217,26 @@ def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
         )
 
 
+def placed_environment_kwargs(options: SubmitOptions) -> dict[str, Any]:
+    """The environment kwargs with the .sif store and the scratch folder the user chose.
+
+    The store is the one `convert` and `doctor` use. When none is chosen the environment picks
+    its default on the node that runs the trial; chosen by $HARBOR_HPC_CACHE or the config
+    rather than by --cache-dir, it goes only to an environment that takes it. Kwargs given by
+    name win.
+    """
+    kwargs = dict(options.environment_kwargs)
+    store = chosen_cache_dir(options.cache_dir)
+    if store is not None and (
+        options.cache_dir is not None
+        or CACHE_KWARG in accepted_environment_kwargs(environment_class(options.environment))
+    ):
+        kwargs.setdefault(CACHE_KWARG, str(store.absolute()))
+    if options.scratch_dir is not None:
+        kwargs.setdefault("scratch_dir", str(options.scratch_dir.expanduser().absolute()))
+    return kwargs
+
+
 def submit_run(
     tasks_dir: Path, run_dir: Path, options: SubmitOptions, *, dry_run: bool = False
 ) -> SubmitResult:
@@ -237,7 +244,8 @@ def submit_run(
     if options.tasks_per_job < 1 or options.concurrency < 1 or options.attempts < 1:
         raise InputError("--tasks-per-job, --concurrency and --attempts must be at least 1")
     check_agent(options.agent)
-    check_environment(options.environment, options.environment_kwargs)
+    environment_kwargs = placed_environment_kwargs(options)
+    check_environment(options.environment, environment_kwargs)
     executor = choose_executor(options.executor)
     run_dir = run_dir.expanduser().absolute()
     discovery = discover_tasks(tasks_dir, require_dockerfile=False)
@@ -255,8 +263,8 @@ def submit_run(
         model=options.model,
         agent_kwargs=options.agent_kwargs,
         environment=options.environment,
-        environment_kwargs=options.environment_kwargs,
-        options={**options.to_json(), "executor": executor},
+        environment_kwargs=environment_kwargs,
+        options={**options.to_json(), "executor": str(executor)},
     )
     if RunPaths(run_dir).record.exists():
         # The same submit again continues the run: it queues only what has no finished trial.
@@ -279,16 +287,17 @@ def resubmit_run(run_dir: Path, *, failed: bool = False, dry_run: bool = False) 
     """
     run_dir = run_dir.expanduser().absolute()
     record = load_run(run_dir)
-    statuses = attempt_statuses(run_dir, record)
+    statuses = attempt_statuses(run_dir, record, live_jobs(record))
     units = []
     skipped = []
     for status in statuses:
-        lost = status.state == "failed" and (
-            status.failure in ("infrastructure", "image") or status.trial is None
+        lost = status.state == AttemptState.FAILED and (
+            status.failure in (FailureClass.INFRASTRUCTURE, FailureClass.IMAGE)
+            or status.trial is None
         )
-        if lost or (failed and status.state == "failed"):
+        if lost or (failed and status.state == AttemptState.FAILED):
             units.append(Unit(status.task, status.attempt))
-        elif status.state in ("pending", "running"):
+        elif status.state in (AttemptState.PENDING, AttemptState.RUNNING):
             skipped.append(status)
     tasks: dict[str, Task] = {}
     for task_rel in {unit.task for unit in units}:
@@ -325,7 +334,9 @@ def _launch(
         tasks_per_job=int(options["tasks_per_job"]),
         # Local elements all start at once, so without --array-parallelism there is one
         # process, as --help promises, not one process per task.
-        local_processes=(options.get("array_parallelism") or 1) if executor == "local" else None,
+        local_processes=(
+            (options.get("array_parallelism") or 1) if executor is Executor.LOCAL else None
+        ),
     )
     resources = (
         _resources(record, [tasks[unit.task] for unit in runnable], chunks, executor)
@@ -399,7 +410,7 @@ def plan_chunks(
 
 
 def _resources(
-    record: RunRecord, tasks: list[Task], chunks: list[list[Unit]], executor: str
+    record: RunRecord, tasks: list[Task], chunks: list[list[Unit]], executor: Executor
 ) -> Resources:
     options = record.options
     derived = element_resources(
@@ -412,10 +423,10 @@ def _resources(
         options.get("mem_mb") or derived.mem_mb,
         options.get("cpus") or derived.cpus,
     )
-    if executor != "slurm":
+    if executor is not Executor.SLURM:
         return asked
     # What the user asked for explicitly is passed on as is; derived requests must fit a node.
-    fitted = fit_to_node(derived, partition_limits(options.get("partition")))
+    fitted = fit_to_node(derived, cluster.partition_limits(options.get("partition")))
     return Resources(
         asked.time_min,
         options.get("mem_mb") or fitted.mem_mb,
@@ -429,38 +440,31 @@ def _queue(
     number: int,
     chunks: list[list[Unit]],
     resources: Resources,
-    executor: str,
+    executor: Executor,
 ) -> Iterator[list[str]]:
     """Submit `chunks` as array jobs (several when MaxArraySize is smaller); yields the
     element job ids of each array as it is queued."""
     options = record.options
-    folder = RunPaths(run_dir).submitit / "%j"
+    request = JobRequest(
+        name=f"harbor-hpc:{run_dir.name}",
+        time_min=resources.time_min,
+        mem_mb=resources.mem_mb,
+        cpus=resources.cpus,
+        partition=options.get("partition"),
+        account=options.get("account"),
+        qos=options.get("qos"),
+        array_parallelism=options.get("array_parallelism"),
+        sbatch=parse_sbatch_args(list(options.get("sbatch_args") or [])),
+    )
+    pool = cluster.executor(RunPaths(run_dir).submitit / "%j", executor, request)
+    limit = cluster.max_array_size() if executor is Executor.SLURM else len(chunks)
     worker = ChunkWorker(str(run_dir), number, int(options["concurrency"]))
-    pool: submitit.Executor
-    if executor == "slurm":
-        pool = submitit.SlurmExecutor(folder=folder, max_num_timeout=3)
-        params: dict[str, Any] = {
-            "job_name": f"harbor-hpc:{run_dir.name}",
-            "time": resources.time_min,
-            "mem": f"{resources.mem_mb}M",
-            "cpus_per_task": resources.cpus,
-            "additional_parameters": parse_sbatch_args(list(options.get("sbatch_args") or [])),
-        }
-        for key in ("partition", "account", "qos", "array_parallelism"):
-            if options.get(key):
-                params[key] = options[key]
-        pool.update_parameters(**params)
-        limit = max_array_size()
-    else:
-        pool = submitit.LocalExecutor(folder=folder, max_num_timeout=3)
-        pool.update_parameters(timeout_min=resources.time_min)
-        limit = len(chunks)
     for part in chunked(chunks, limit):
-        try:
-            jobs = pool.map_array(worker, [[u.to_json() for u in chunk] for chunk in part])
-        except Exception as exc:  # sbatch's refusal comes back as a bare error from submitit
-            raise HarborHpcError(
-                f"submitting to {executor} failed: {' '.join(str(exc).split())}",
-                hint="check --partition/--account/--qos and the resources",
-            ) from None
+        jobs = cluster.submit_array(
+            pool,
+            worker,
+            [[u.to_json() for u in chunk] for chunk in part],
+            what="the run's array job",
+            hint="check --partition/--account/--qos and the resources",
+        )
         yield [job.job_id for job in jobs]

@@ -21,6 +21,7 @@ from typing import Any
 
 import submitit
 
+from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.record import (
     Marker,
     RunPaths,
@@ -88,8 +89,8 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             finished_here = (
                 outcome is not None
                 and marker is not None
-                and outcome.failure != "infrastructure"
-                and (marker.submission == self.submission or outcome.state == "done")
+                and outcome.failure is not FailureClass.INFRASTRUCTURE
+                and (marker.submission == self.submission or outcome.state is AttemptState.DONE)
             )
             if not finished_here:
                 left.append(unit)
@@ -147,4 +148,5 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             # it could (the environment refused the task, the agent name is unknown...).
             marker.error_type = type(exc).__name__
             marker.error_message = str(exc)
+            marker.terminated_by = self.terminated_by  # maybe why it failed
             write_marker(run_dir, marker)

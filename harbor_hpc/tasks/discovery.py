@@ -1,18 +1,24 @@
-"""Find Harbor tasks under a root folder and read what the other steps need from task.toml.
+"""Find Harbor tasks under a root folder and read their task.toml as Harbor does.
 
 A task is a folder holding `task.toml`; its identity is its path relative to the root (POSIX
 form, `.` when the root itself is a task). The walk does not descend into a task (its build
 context can be large) nor into hidden folders. Problems (a malformed task.toml, a missing
 Dockerfile, a folder reached twice through a symlink) are collected by path and the walk goes on.
+task.toml is read by Harbor's own `TaskConfig`, so what Harbor would refuse is a problem here too,
+named in one line by its first error.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from harbor.models.task.config import TaskConfig, VerifierEnvironmentMode
+from harbor.models.task.verifier_mode import resolve_task_verifier_mode
+from pydantic import ValidationError
 
 from harbor_hpc.core.errors import InputError
 
@@ -27,7 +33,9 @@ class Task:
     root: Path
     path: Path
     rel: str
-    config: dict[str, Any]
+    # task.toml as Harbor reads it: its defaults and migrations (`memory = "2G"`, allow_internet)
+    # applied, so every step sees the task Harbor will run.
+    config: TaskConfig
 
     @property
     def environment_dir(self) -> Path:
@@ -42,13 +50,8 @@ class Task:
         return self.path / TASK_FILE
 
     @property
-    def environment(self) -> dict[str, Any]:
-        env: dict[str, Any] = self.config.get("environment", {})
-        return env
-
-    @property
     def docker_image(self) -> str | None:
-        value: str | None = self.environment.get("docker_image")
+        value: str | None = self.config.environment.docker_image
         return value
 
     @property
@@ -56,27 +59,20 @@ class Task:
         return self.path / "tests"
 
     @property
-    def verifier_environment(self) -> dict[str, Any]:
-        """The `[verifier.environment]` table, empty when the task has none."""
-        env: dict[str, Any] = self.config.get("verifier", {}).get("environment") or {}
-        return env
-
-    @property
     def verifier_docker_image(self) -> str | None:
-        value: str | None = self.verifier_environment.get("docker_image")
+        """`[verifier.environment] docker_image`, None when the task sets none."""
+        environment = self.config.verifier.environment
+        value: str | None = environment.docker_image if environment else None
         return value
 
     @property
     def separate_verifier(self) -> bool:
-        """Whether Harbor runs the verifier in a container of its own (Harbor's
-        `resolve_task_verifier_mode`): `[verifier] environment_mode = "separate"`, or a
-        `[verifier.environment]` table without an explicit mode. A tests/Dockerfile alone does
-        not make it separate: in shared mode Harbor never reads it."""
-        verifier = self.config.get("verifier", {})
-        mode = verifier.get("environment_mode")
-        if mode is not None:
-            return bool(mode == "separate")
-        return verifier.get("environment") is not None
+        """Whether Harbor runs the verifier in a container of its own: `[verifier]
+        environment_mode = "separate"`, or a `[verifier.environment]` table without an explicit
+        mode. A tests/Dockerfile alone does not make it separate: in shared mode Harbor never
+        reads it."""
+        mode = resolve_task_verifier_mode(self.config)
+        return bool(mode == VerifierEnvironmentMode.SEPARATE)
 
     @property
     def verifier_build_dir(self) -> Path | None:
@@ -100,18 +96,24 @@ class Task:
 
     @property
     def memory_mb(self) -> int | None:
-        value: int | None = self.environment.get("memory_mb")
+        value: int | None = self.config.environment.memory_mb
         return value
 
     @property
     def cpus(self) -> int | None:
-        value: int | None = self.environment.get("cpus")
+        value: int | None = self.config.environment.cpus
         return value
 
-    def timeout_sec(self, section: str) -> float | None:
-        """`agent` or `verifier` timeout from task.toml, None when not set."""
-        value = self.config.get(section, {}).get("timeout_sec")
-        return None if value is None else float(value)
+    @property
+    def agent_timeout_sec(self) -> float | None:
+        """None when task.toml sets none: the agent's own default applies."""
+        value: float | None = self.config.agent.timeout_sec
+        return value
+
+    @property
+    def verifier_timeout_sec(self) -> float:
+        value: float = self.config.verifier.timeout_sec
+        return value
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,9 @@ class TaskProblem:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": str(self.path), "message": self.message}
 
 
 @dataclass
@@ -165,14 +170,15 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
 def load_task(root: Path, path: Path, *, require_dockerfile: bool = True) -> Task | TaskProblem:
     toml_path = path / TASK_FILE
     try:
-        config = tomllib.loads(toml_path.read_text())
+        data = tomllib.loads(toml_path.read_text())
+        with warnings.catch_warnings(action="ignore", category=DeprecationWarning):
+            config = TaskConfig.model_validate(data)  # Harbor warns of what it migrates
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         return TaskProblem(toml_path, f"not valid TOML ({exc})")
     except OSError as exc:
         return TaskProblem(toml_path, f"cannot read ({exc.strerror})")
-    shape_error = _check_shape(config)
-    if shape_error:
-        return TaskProblem(toml_path, shape_error)
+    except ValidationError as exc:
+        return TaskProblem(toml_path, _first_error(exc))
     rel = path.relative_to(root).as_posix() if path != root else "."
     task = Task(root=root, path=path, rel=rel, config=config)
     if require_dockerfile and not task.dockerfile.is_file():
@@ -180,26 +186,11 @@ def load_task(root: Path, path: Path, *, require_dockerfile: bool = True) -> Tas
     return task
 
 
-def _check_shape(config: dict[str, Any]) -> str | None:
-    """The few fields harbor-hpc reads must have the types Harbor gives them."""
-    for section in ("environment", "agent", "verifier"):
-        if not isinstance(config.get(section, {}), dict):
-            return f"[{section}] must be a table"
-    env = config.get("environment", {})
-    if "docker_image" in env and not isinstance(env["docker_image"], str):
-        return "environment.docker_image must be a string"
-    verifier = config.get("verifier", {})
-    if not isinstance(verifier.get("environment", {}), dict):
-        return "[verifier.environment] must be a table"
-    if verifier.get("environment_mode", "shared") not in ("shared", "separate"):
-        return 'verifier.environment_mode must be "shared" or "separate"'
-    if not isinstance(verifier.get("environment", {}).get("docker_image", ""), str):
-        return "verifier.environment.docker_image must be a string"
-    for key in ("memory_mb", "cpus"):
-        if key in env and (not isinstance(env[key], int) or isinstance(env[key], bool)):
-            return f"environment.{key} must be an integer"
-    for section in ("agent", "verifier"):
-        timeout = config.get(section, {}).get("timeout_sec")
-        if timeout is not None and not isinstance(timeout, int | float):
-            return f"{section}.timeout_sec must be a number"
-    return None
+def _first_error(exc: ValidationError) -> str:
+    """Pydantic's first complaint in one line: where in task.toml, and what."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    message = " ".join(error["msg"].split())
+    more = exc.error_count() - 1
+    text = f"{where}: {message}" if where else message
+    return text + (f" (and {more} more)" if more else "")

@@ -37,9 +37,11 @@ class ImageRecord:
     sif: str | None = None
     # Local Docker image id of a `build --no-push` image: built here, not pinned in a registry.
     image_id: str | None = None
-    # Tasks whose separate verifier runs in this image (built from their tests/ folder). Set
-    # after construction, so that the constructor's arguments stay the strings they were.
+    # Tasks whose separate verifier runs in this image (built from their tests/ folder), and the
+    # build args (`build --build-arg`) it was built with that its Dockerfile declares. Set after
+    # construction, so that the constructor's arguments stay the strings they were.
     verifier_tasks: list[str] = field(default_factory=list, init=False)
+    build_args: dict[str, str] = field(default_factory=dict, init=False)
 
     @property
     def reference(self) -> str | None:
@@ -138,6 +140,7 @@ class Manifest:
             }
             for key, value in data["images"].items():
                 images[key].verifier_tasks = list(value.get("verifier_tasks", []))
+                images[key].build_args = dict(value.get("build_args", {}))
             tasks = {
                 key: TaskRecord(
                     value.get("context"),

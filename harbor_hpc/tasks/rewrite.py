@@ -29,6 +29,7 @@ import tomlkit.exceptions
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import atomic_write_text
+from harbor_hpc.core.steps import Step, done, skipped
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, load_manifest
 
@@ -42,16 +43,30 @@ _DOCKER_IMAGE_LINE = re.compile(
 
 @dataclass
 class RewriteResult:
+    dry_run: bool
+    # Tasks changed (or that would be, in a dry run).
     changed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     # Task -> why it was left alone (image failed, not built, no .sif yet).
     skipped: dict[str, str] = field(default_factory=dict)
     problems: list[TaskProblem] = field(default_factory=list)
+    # Task -> the unified diff of its change, in a dry run.
     diffs: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.skipped and not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "changed": self.changed,
+            "unchanged": self.unchanged,
+            "skipped": self.skipped,
+            "problems": [problem.to_json() for problem in self.problems],
+        }
+        if self.dry_run:
+            data["diffs"] = self.diffs
+        return data
 
 
 def rewrite_tasks(
@@ -71,25 +86,29 @@ def rewrite_tasks(
             f"{manifest_path} (built from {manifest.tasks_root})",
             hint="pass the tasks folder that was built (task names are paths relative to it)",
         )
-    result = RewriteResult(problems=list(discovery.problems))
+    result = RewriteResult(dry_run, problems=list(discovery.problems))
     edits: list[tuple[Task, str, str | None]] = []
     for task in discovery.tasks:
         target = _target(manifest, task.rel, sif=sif)
         verifier = _verifier_target(manifest, task.rel, sif=sif)
-        if target.startswith("skip: "):
-            result.skipped[task.rel] = target.removeprefix("skip: ")
-        elif verifier is not None and verifier.startswith("skip: "):
-            result.skipped[task.rel] = "verifier image: " + verifier.removeprefix("skip: ")
-        elif task.docker_image == target and verifier in (None, task.verifier_docker_image):
+        verifier_image = verifier.value if verifier else None
+        if target.value is None:
+            result.skipped[task.rel] = target.reason
+        elif verifier is not None and verifier_image is None:
+            result.skipped[task.rel] = "verifier image: " + verifier.reason
+        elif task.docker_image == target.value and verifier_image in (
+            None,
+            task.verifier_docker_image,
+        ):
             result.unchanged.append(task.rel)
         else:
-            edits.append((task, target, verifier))
+            edits.append((task, target.value, verifier_image))
 
     def edit(item: tuple[Task, str, str | None]) -> tuple[Task, str, str] | TaskProblem:
         task, target, verifier = item
         try:
             old = task.task_toml.read_text()
-            new = set_docker_image(old, target, original=task.config)
+            new = set_docker_image(old, target)
             if verifier is not None and verifier != task.verifier_docker_image:
                 new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
             return task, old, new
@@ -114,62 +133,60 @@ def rewrite_tasks(
     return result
 
 
-def _target(manifest: Manifest, task: str, *, sif: bool) -> str:
-    """The docker_image value for `task`, or `skip: <reason>`."""
+_NO_IMAGE = "the manifest names no image for it"
+_NO_SIF = "no .sif yet (run `harbor-hpc convert`)"
+
+
+def _target(manifest: Manifest, task: str, *, sif: bool) -> Step[str]:
+    """The docker_image value for `task`, or why it is skipped."""
     record = manifest.tasks.get(task)
     if record is None:
-        return "skip: not in the manifest (run `harbor-hpc build` on these tasks)"
+        return skipped("not in the manifest (run `harbor-hpc build` on these tasks)")
     if record.error:
-        return f"skip: {record.error}"
+        return skipped(record.error)
     return _image_target(manifest.image_of(task), sif=sif)
 
 
-def _verifier_target(manifest: Manifest, task: str, *, sif: bool) -> str | None:
-    """The `[verifier.environment]` docker_image for `task`, `skip: <reason>`, or None when its
-    verifier has no image of its own."""
+def _verifier_target(manifest: Manifest, task: str, *, sif: bool) -> Step[str] | None:
+    """The `[verifier.environment]` docker_image for `task`, why it is skipped, or None when
+    its verifier has no image of its own."""
     record = manifest.tasks.get(task)
     verifier = record.verifier if record else None
     if verifier is None:
         return None
     if verifier.error:
-        return f"skip: {verifier.error}"
+        return skipped(verifier.error)
     if verifier.context is not None:
         return _image_target(manifest.verifier_image_of(task), sif=sif)
     if verifier.image is None:
-        return "skip: the manifest names no image for it"
+        return skipped(_NO_IMAGE)
     if sif:  # the author's reference
-        return verifier.sif or "skip: no .sif yet (run `harbor-hpc convert`)"
-    return verifier.image
+        return done(verifier.sif) if verifier.sif else skipped(_NO_SIF)
+    return done(verifier.image)
 
 
-def _image_target(image: ImageRecord | None, *, sif: bool) -> str:
+def _image_target(image: ImageRecord | None, *, sif: bool) -> Step[str]:
     if image is None:
-        return "skip: the manifest names no image for it"
+        return skipped(_NO_IMAGE)
     if image.error:
-        return f"skip: {image.error}"
+        return skipped(image.error)
     if sif:
-        return image.sif or "skip: no .sif yet (run `harbor-hpc convert`)"
+        return done(image.sif) if image.sif else skipped(_NO_SIF)
     if image.reference:
-        return image.reference
+        return done(image.reference)
     if image.image_id:
-        return "skip: built locally only (`build --no-push`); build with a registry to pin it"
-    return "skip: not built yet (run `harbor-hpc build`)"
+        return skipped("built locally only (`build --no-push`); build with a registry to pin it")
+    return skipped("not built yet (run `harbor-hpc build`)")
 
 
-def set_docker_image(
-    text: str,
-    value: str,
-    *,
-    table: tuple[str, ...] = ENVIRONMENT,
-    original: dict[str, Any] | None = None,
-) -> str:
+def set_docker_image(text: str, value: str, *, table: tuple[str, ...] = ENVIRONMENT) -> str:
     """`text` (a task.toml) with `[TABLE].docker_image = value`, all else byte for byte.
 
     `table` is `ENVIRONMENT` or `VERIFIER_ENVIRONMENT`; a `[verifier.environment]` table that
     does not exist yet starts as a copy of `[environment]` without its docker_image (see the
-    module's docstring). `original` is `text` already parsed, when the caller has it.
+    module's docstring).
     """
-    original = tomllib.loads(text) if original is None else original
+    original = tomllib.loads(text)
     expected = copy.deepcopy(original)
     parent = expected
     for name in table[:-1]:

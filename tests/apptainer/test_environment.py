@@ -1,9 +1,10 @@
 """The environment on the real Apptainer: oracle trials through Harbor's CLI, and its promises.
 
-The session's .sif of the test base image (python3, `debian_sif`) is shared; the image
+The session's .sif of the test base image (python3, `debian_sif`) is shared; an image
 without python3 comes through the test registry as a reference, which also exercises the
 conversion into the .sif store and the bash server. Both live in a world-readable folder
-so that the other local user can run them too.
+so that the other local user can run them too. The oracle trials run side by side, each
+through Harbor's CLI.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,14 +99,12 @@ def test_workdir_kwarg_wins(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def nopython_ref() -> Iterator[str]:
-    """The image without python3, pushed to the open test registry under a fresh tag."""
+def nopython_ref(slim_image: str) -> Iterator[str]:
+    """An image without python3, pushed to the open test registry under a fresh tag."""
     import docker
 
     client = docker.from_env()
-    image = client.images.get(
-        os.environ.get("HARBOR_HPC_TEST_NOPY_IMAGE", "local/debian-nopython:bookworm")
-    )
+    image = client.images.get(slim_image)
     repository = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/harbor-hpc-test/nopython"
     tag = uuid.uuid4().hex[:12]
     image.tag(repository, tag=tag)
@@ -161,16 +161,26 @@ def make_task(
     return task
 
 
-def run_trial(task: Path, trials: Path, *kwargs: str) -> dict[str, Any]:
+def start_trial(task: Path, trials: Path, *kwargs: str) -> subprocess.Popen[str]:
+    """`harbor trial start` of `task` with the oracle agent, in the background."""
     command = [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", ENVIRONMENT]
     for kwarg in kwargs:
         command += ["--environment-kwarg", kwarg]
     command += ["--trials-dir", str(trials)]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def trial_result(task: Path, trials: Path, trial: subprocess.Popen[str]) -> dict[str, Any]:
+    """The result.json of the trial of `task` that `trial` runs, once it ended."""
+    stdout, stderr = trial.communicate(timeout=600)
     results = list(trials.glob(f"{task.name}__*/result.json"))
-    assert results, f"no result.json:\n{finished.stdout}\n{finished.stderr}"
+    assert results, f"no result.json:\n{stdout}\n{stderr}"
     result: dict[str, Any] = json.loads(results[0].read_text())
     return result
+
+
+def run_trial(task: Path, trials: Path, *kwargs: str) -> dict[str, Any]:
+    return trial_result(task, trials, start_trial(task, trials, *kwargs))
 
 
 def reward(result: dict[str, Any]) -> float | None:
@@ -210,42 +220,77 @@ def leftover_processes(sif: Path) -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class OracleTrial:
+    folder: Path  # the trial's folder under the trials dir
+    result: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def oracle_trials(
+    debian_sif: Path, nopython_ref: str, sif_store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, OracleTrial]:
+    """Oracle trials through Harbor's CLI, one `harbor trial start` each as users run them, all
+    at once: their start-ups, containers and the registry image's conversion overlap instead of
+    queueing. Keyed by the test that reads each."""
+    root = tmp_path_factory.mktemp("oracle")
+    solve = "echo 42 > answer.txt\n"
+    seeded = '[ "$HARBOR_STAGING" = /staging/env_files ] && cat "$SEED_FILE" > answer.txt\n'
+    setup = 'cp "$HARBOR_STAGING/seed.txt" /opt/seed.txt\nexport SEED_FILE=/opt/seed.txt\n'
+    failing = "echo 'cannot find the dataset' >&2\nexit 3\n"
+    from_store = (f"singularity_image_cache_dir={sif_store}", "nohttps=true")
+    tasks: dict[str, tuple[Path, tuple[str, ...]]] = {
+        "plain": (make_task(root, str(debian_sif), solve), ()),
+        "setup": (
+            make_task(
+                root,
+                str(debian_sif),
+                seeded,
+                expected="seeded value",
+                files={"setup.sh": setup, "seed.txt": "seeded value\n"},
+            ),
+            (),
+        ),
+        "failing setup": (make_task(root, str(debian_sif), solve, files={"setup.sh": failing}), ()),
+        "registry": (make_task(root, nopython_ref, solve), from_store),
+    }
+    trials = root / "trials"
+    running = {name: start_trial(task, trials, *kwargs) for name, (task, kwargs) in tasks.items()}
+    done = {}
+    for name, (task, _) in tasks.items():
+        result = trial_result(task, trials, running[name])
+        done[name] = OracleTrial(next(trials.glob(f"{task.name}__*")), result)
+    return done
+
+
 @pytest.mark.apptainer
 @pytest.mark.docker
-def test_oracle_plain_task(debian_sif: Path, tmp_path: Path) -> None:
-    task = make_task(tmp_path, str(debian_sif), "echo 42 > answer.txt\n")
-    result = run_trial(task, tmp_path / "trials")
-    assert result["exception_info"] is None
-    assert reward(result) == 1.0
+@pytest.mark.registry
+def test_oracle_plain_task(oracle_trials: dict[str, OracleTrial], debian_sif: Path) -> None:
+    trial = oracle_trials["plain"]
+    assert trial.result["exception_info"] is None
+    assert reward(trial.result) == 1.0
     # Root in the container, but what the trial left on the host is the user's.
-    trial = next((tmp_path / "trials").glob(f"{task.name}__*"))
-    assert {path.stat().st_uid for path in trial.rglob("*")} == {os.getuid()}
+    assert {path.stat().st_uid for path in trial.folder.rglob("*")} == {os.getuid()}
     assert not leftover_processes(debian_sif)
 
 
 @pytest.mark.apptainer
 @pytest.mark.docker
-def test_oracle_with_environment_files_and_setup_script(debian_sif: Path, tmp_path: Path) -> None:
-    setup = 'cp "$HARBOR_STAGING/seed.txt" /opt/seed.txt\nexport SEED_FILE=/opt/seed.txt\n'
-    solve = '[ "$HARBOR_STAGING" = /staging/env_files ] && cat "$SEED_FILE" > answer.txt\n'
-    task = make_task(
-        tmp_path,
-        str(debian_sif),
-        solve,
-        expected="seeded value",
-        files={"setup.sh": setup, "seed.txt": "seeded value\n"},
-    )
-    result = run_trial(task, tmp_path / "trials")
+@pytest.mark.registry
+def test_oracle_with_environment_files_and_setup_script(
+    oracle_trials: dict[str, OracleTrial],
+) -> None:
+    result = oracle_trials["setup"].result
     assert result["exception_info"] is None
     assert reward(result) == 1.0
 
 
 @pytest.mark.apptainer
 @pytest.mark.docker
-def test_failing_setup_script_fails_the_trial(debian_sif: Path, tmp_path: Path) -> None:
-    setup = "echo 'cannot find the dataset' >&2\nexit 3\n"
-    task = make_task(tmp_path, str(debian_sif), "echo 42 > answer.txt\n", files={"setup.sh": setup})
-    result = run_trial(task, tmp_path / "trials")
+@pytest.mark.registry
+def test_failing_setup_script_fails_the_trial(oracle_trials: dict[str, OracleTrial]) -> None:
+    result = oracle_trials["failing setup"].result
     info = result["exception_info"]
     assert info["exception_type"] == SetupScriptFailed.__name__
     assert "exited with 3" in info["exception_message"]
@@ -254,18 +299,12 @@ def test_failing_setup_script_fails_the_trial(debian_sif: Path, tmp_path: Path) 
 
 
 @pytest.mark.apptainer
-@pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.registry
 def test_oracle_from_registry_reference_without_python(
-    nopython_ref: str, sif_store: Path, tmp_path: Path
+    oracle_trials: dict[str, OracleTrial], sif_store: Path
 ) -> None:
-    task = make_task(tmp_path, nopython_ref, "echo 42 > answer.txt\n")
-    result = run_trial(
-        task,
-        tmp_path / "trials",
-        f"singularity_image_cache_dir={sif_store}",
-        "nohttps=true",
-    )
+    result = oracle_trials["registry"].result
     assert result["exception_info"] is None
     assert reward(result) == 1.0
     assert list(sif_store.glob("*.sif"))  # converted into the store, which stop keeps

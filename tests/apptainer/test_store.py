@@ -12,7 +12,6 @@ import pytest
 
 from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
 from harbor_hpc.apptainer.store import (
-    Reference,
     ensure_sif,
     is_ready,
     sif_file,
@@ -57,29 +56,6 @@ def debris(store: Path) -> list[str]:
 
 
 # --- naming and defaults: no Apptainer, no network -------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        (f"localhost:5000/ns/name@{DIGEST}", Reference("localhost:5000", "ns/name", None, DIGEST)),
-        (
-            f"docker://reg.example.org/a/b:1.0@{DIGEST}",
-            Reference("reg.example.org", "a/b", "1.0", DIGEST),
-        ),
-        ("reg.example.org/team/img:v2", Reference("reg.example.org", "team/img", "v2", None)),
-        ("ubuntu", Reference("registry-1.docker.io", "library/ubuntu", "latest", None)),
-        ("me/tool:3", Reference("registry-1.docker.io", "me/tool", "3", None)),
-    ],
-)
-def test_reference_parse(text: str, expected: Reference) -> None:
-    assert Reference.parse(text) == expected
-
-
-@pytest.mark.parametrize("text", ["reg.io/a@sha256:short", "reg.io/UPPER/case:1", "docker://"])
-def test_bad_references_are_input_errors(text: str) -> None:
-    with pytest.raises(InputError):
-        Reference.parse(text)
 
 
 def test_digest_reference_is_named_by_digest_without_asking_anyone(tmp_path: Path) -> None:

@@ -59,6 +59,42 @@ def test_status_shows_names_and_messages_as_text(tmp_path: Path) -> None:
     assert task in shown.stdout and message in shown.stdout
 
 
+def test_status_reads_at_80_columns(tmp_path: Path) -> None:
+    # The message column wrapped to ~30 lines per row at 80 columns.
+    tasks = ["skill_based/mixed/scientific_computing/solve-the-heat-equation", "b"]
+    run_dir = tmp_path / "run"
+    create_run(run_dir, RunRecord(str(tmp_path), tasks, "oracle", None, {}, "x:Y", {}, {}))
+    message = "cannot start: " + "the image says no " * 8
+    write_marker(run_dir, Marker("t__a0-1", tasks[0], 0, 1, None, "h", 1, "now", "E", message))
+
+    def status(*args: str) -> str:
+        env = {**os.environ, "COLUMNS": "80"}
+        command = [sys.executable, "-m", "harbor_hpc", "status", str(run_dir), *args]
+        shown = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        assert shown.returncode == 0, shown.stderr
+        return shown.stdout
+
+    lines = status().splitlines()
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    why = lines[lines.index(f"{tasks[0]} #0") + 1]  # the message, cut to one line
+    assert why.startswith("  E: cannot start: the image says no") and why.endswith("…")
+    assert lines[lines.index("b #0") + 1] == "  never submitted"
+    assert sum("environment" in line for line in lines) == 2  # the class, and the counts
+    verbose = status("-v")
+    assert " ".join(message.split()) in " ".join(verbose.split()) and "t__a0-1" in verbose
+    [first, second] = json.loads(status("--json"))
+    assert first == {
+        "task": tasks[0],
+        "attempt": 0,
+        "trial": "t__a0-1",
+        "state": "failed",
+        "reward": None,
+        "failure": "environment",
+        "message": "E: " + " ".join(message.split()),
+    }
+    assert second["message"] == "never submitted"
+
+
 def test_warnings_and_info_show_text_as_is(capsys: pytest.CaptureFixture[str]) -> None:
     warn("data[v2]/t: cannot open [/opt/x]")
     info("wrote [bold]x")

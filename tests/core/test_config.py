@@ -37,6 +37,8 @@ def test_user_config_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         ("jobs = 'four'", "jobs must be a int"),
         ("jobs = true", "jobs must be a int"),
         ("jobs = ", "not valid TOML"),
+        ("build_args = 'A=1'", "build_args must be a list"),
+        ("build_args = ['A=1', 2]", "build_args must be a list of strings"),
     ],
 )
 def test_bad_config_names_file_and_key(

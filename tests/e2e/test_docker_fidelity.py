@@ -3,21 +3,19 @@ user, as on a cluster): root in the container, a writable image, its own /tmp, /
 HOME, the image's ENV, WORKDIR, USER and ENTRYPOINT, no network when asked, and a watchdog
 that sees the whole container.
 
-The image is built by Docker from a Dockerfile as a published task would have it, and turned
-into a .sif by `apptainer build docker-daemon://`, as `harbor-hpc convert` does.
+The image (`fidelity_sif`, tests/support/images.py) is built by Docker from a Dockerfile as a
+published task would have it, and turned into a .sif by `apptainer build docker-daemon://`, as
+`harbor-hpc convert` does (squashed with lz4, as every image the tests make for themselves).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import logging
 import os
-import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import uuid
@@ -36,45 +34,9 @@ from harbor_hpc.apptainer.errors import (
     MemoryLimitExceeded,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.runtime import find_apptainer
 from tests.support.cli import cli, cli_json
 
-# A published task's image: a root-owned WORKDIR, ENV, an ENTRYPOINT that edits /etc/hosts
-# and leaves a mark, then runs the command it was given (Harbor's `sleep infinity`).
-DOCKERFILE = """\
-FROM {base}
-RUN mkdir -p /app && chmod 755 /app && echo 'seed' > /app/seed.txt
-WORKDIR /app
-ENV LANG=C.UTF-8 GREETING="hello world"
-ENTRYPOINT ["/bin/sh", "-c", \
-    "echo '10.1.2.3 entry.test' >> /etc/hosts; : > /tmp/entrypoint-ran; exec \\"$@\\"", "--"]
-LABEL org.harbor-hpc.test={nonce}
-"""
 REGISTRY_PORT = 5000  # something listening on the host's loopback (the test registry)
-
-
-@pytest.fixture(scope="module")
-def fidelity_sif() -> Iterator[Path]:
-    import docker
-
-    client = docker.from_env()
-    base = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
-    tag = f"harbor-hpc-test/fidelity:{uuid.uuid4().hex[:12]}"
-    dockerfile = DOCKERFILE.format(base=base, nonce=tag.rsplit(":", 1)[1]).encode()
-    client.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, rm=True)
-    folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-fidelity-"))
-    sif = folder / "fidelity.sif"
-    try:
-        subprocess.run(
-            [find_apptainer(), "build", str(sif), f"docker-daemon://{tag}"],
-            check=True,
-            capture_output=True,
-        )
-        yield sif
-    finally:
-        client.images.remove(tag)
-        client.close()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def make_environment(
@@ -215,19 +177,27 @@ def test_each_container_has_a_network_of_its_own(
 
     async def main() -> dict[str, str]:
         seen = {}
-        async with (
-            started(fidelity_sif, tmp_path / "one") as one,
-            started(fidelity_sif, tmp_path / "two") as two,
-        ):
+        closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
+        one, two, offline = (
+            make_environment(fidelity_sif, tmp_path / "one"),
+            make_environment(fidelity_sif, tmp_path / "two"),
+            make_environment(fidelity_sif, tmp_path / "closed", network_policy=closed),
+        )
+        try:
+            # All three at once, as a node's trials start: nothing of one may reach another.
+            starts = (e.start(force_build=False) for e in (one, two, offline))
+            for outcome in await asyncio.gather(*starts, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    raise outcome
             seen["out"] = await run(one, connect_command(*host_listener))
             seen["loopback"] = await run(one, connect_command("127.0.0.1", REGISTRY_PORT))
             both = await asyncio.gather(run(one, BIND_80), run(two, BIND_80))
             seen["bound"] = "".join(both)
             seen["interfaces"] = await run(one, interfaces)
-        closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
-        async with started(fidelity_sif, tmp_path / "closed", network_policy=closed) as offline:
             seen["closed out"] = await run(offline, connect_command(*host_listener))
             seen["closed interfaces"] = await run(offline, interfaces)
+        finally:
+            await asyncio.gather(*(e.stop(delete=True) for e in (one, two, offline)))
         return seen
 
     seen = asyncio.run(main())
@@ -272,10 +242,10 @@ def test_the_writable_image_is_on_disk_and_removed_with_the_trial(
 
     async def main() -> None:
         async with started(fidelity_sif, tmp_path, scratch_dir=scratch) as environment:
-            # Far beyond Apptainer's 64 MB tmpfs overlay; files of another user of the range.
-            await run(environment, "head -c 300000000 /dev/urandom > /app/big.bin")
+            # Twice Apptainer's 64 MB tmpfs overlay; files of another user of the range.
+            await run(environment, "head -c 128000000 /dev/urandom > /app/big.bin")
             await run(environment, "su nobody -s /bin/sh -c 'mkdir /tmp/n && touch /tmp/n/f'")
-            assert await run(environment, "stat -c %s /app/big.bin") == "300000000\n"
+            assert await run(environment, "stat -c %s /app/big.bin") == "128000000\n"
             assert list(scratch.iterdir())
 
     asyncio.run(main())
@@ -321,8 +291,8 @@ def task_specs(host: str, port: int) -> dict[str, dict[str, Any]]:
     """The tasks, `host:port` being a listener on the node (see `host_listener`)."""
     return {
         # Writes to the image's root-owned WORKDIR, /tmp and HOME; apt-installs a package;
-        # reaches out, and binds port 80.
-        "root-things": {
+        # reaches out, and binds port 80. The slowest (apt): named to start first.
+        "as-root": {
             "solve": "echo 42 > answer.txt && echo t > /tmp/t && echo h > ~/h\n"
             "apt-get update -qq && apt-get install -y -qq --no-install-recommends jq >/dev/null\n"
             f"{connect_command(host, port)} > /tmp/out\n{BIND_80} > /tmp/bound\n",
@@ -358,7 +328,7 @@ SELF_CONTAINED: dict[str, dict[str, Any]] = {
     "compose": {"solve": "true\n", "check": "true", "compose": True},
 }
 EXPECTED = {
-    "root-things": ("done", 1.0, None),
+    "as-root": ("done", 1.0, None),
     "no-network": ("done", 1.0, None),
     "entrypoint": ("done", 1.0, None),
     "hog-daemon": ("failed", None, "memory"),
@@ -398,9 +368,11 @@ def test_published_task_features_through_submit(
     for name, spec in task_specs(*host_listener).items():
         write_task(tasks, name, spec, fidelity_sif)
     run_dir = tmp_path / "run"
+    # One array element running three trials at a time: a second element would wait for the
+    # first (each asks for the whole node) and pay Slurm's and the worker's start-up again.
     submitted = cli(
         "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
-        "--executor", "slurm", "--concurrency", "2", "--tasks-per-job", "3", "--wait",
+        "--executor", "slurm", "--concurrency", "3", "--tasks-per-job", "6", "--wait",
         check=False,
     )  # fmt: skip
     assert submitted.returncode in (0, 1), submitted.stderr

@@ -47,12 +47,13 @@ SCRIPT = [
 
 
 @pytest.fixture
-def llm(monkeypatch: pytest.MonkeyPatch) -> Iterator[ScriptedLLM]:
-    """The scripted server, and what litellm needs in the environment of every child process."""
+def llms(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ScriptedLLM, ScriptedLLM]]:
+    """Two scripted servers (one per trial: each serves its script in order), and what litellm
+    needs in the environment of every child process."""
     monkeypatch.setenv("OPENAI_API_KEY", "scripted-test-key")  # litellm wants one; unchecked
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch from the internet
-    with ScriptedLLM(SCRIPT) as server:
-        yield server
+    with ScriptedLLM(SCRIPT) as direct, ScriptedLLM(SCRIPT) as through_slurm:
+        yield direct, through_slurm
 
 
 def agent_args(llm: ScriptedLLM) -> list[str]:
@@ -85,37 +86,35 @@ def assert_solved_with_the_servers_tokens(trial: Path, llm: ScriptedLLM) -> None
     assert [m["logprobs"] for m in metrics] == [e.logprobs for e in sent]
 
 
-def test_harbor_trial_with_terminus2_gets_reward_one(
+@pytest.mark.slurm
+def test_terminus2_gets_reward_one_by_harbor_trial_and_through_submit_on_slurm(
     debian_sif: Path,
-    llm: ScriptedLLM,
+    llms: tuple[ScriptedLLM, ScriptedLLM],
     tmp_path: Path,
 ) -> None:
+    """The same task twice at once: `harbor trial start` on this node, and `harbor-hpc submit`
+    on Slurm (most of either is waiting: on Slurm, on the model, on tmux)."""
+    direct_llm, slurm_llm = llms
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
     trials = tmp_path / "trials"
     harbor = Path(sys.executable).parent / "harbor"
-    command = [str(harbor), "trial", "start", "-p", str(task), *agent_args(llm),
+    command = [str(harbor), "trial", "start", "-p", str(task), *agent_args(direct_llm),
                "-e", ENVIRONMENT, "--trials-dir", str(trials)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    direct = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_dir = tmp_path / "run"
+        submitted = cli_json(
+            "submit", str(task.parent), *agent_args(slurm_llm), "--run-dir", str(run_dir),
+            "--executor", "slurm", "--wait",
+        )  # fmt: skip
+        output, _ = direct.communicate(timeout=600)
+    finally:
+        direct.kill()
+    assert direct.returncode == 0, output
     (trial,) = trials.iterdir()
-    assert_solved_with_the_servers_tokens(trial, llm)
+    assert_solved_with_the_servers_tokens(trial, direct_llm)
 
-
-@pytest.mark.slurm
-def test_submit_terminus2_on_slurm_gets_reward_one(
-    debian_sif: Path,
-    llm: ScriptedLLM,
-    tmp_path: Path,
-) -> None:
-    tasks = tmp_path / "tasks"
-    make_task(tasks, "answer", image=str(debian_sif))
-    run_dir = tmp_path / "run"
-    submitted = cli_json(
-        "submit", str(tasks), *agent_args(llm), "--run-dir", str(run_dir),
-        "--executor", "slurm", "--wait",
-    )  # fmt: skip
     assert submitted["trials"] == 1
-
     (status,) = cli_json("status", str(run_dir))
     assert (status["state"], status["reward"], status["failure"]) == ("done", 1.0, None), status
-    assert_solved_with_the_servers_tokens(run_dir / "trials" / status["trial"], llm)
+    assert_solved_with_the_servers_tokens(run_dir / "trials" / status["trial"], slurm_llm)

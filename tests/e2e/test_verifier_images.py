@@ -279,13 +279,19 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def flow_task(
-    root: Path, name: str, *, verifier: str, tests_dockerfile: str | None, expected: str
+    root: Path,
+    name: str,
+    *,
+    base: str,
+    verifier: str,
+    tests_dockerfile: str | None,
+    expected: str,
 ) -> None:
     make_task(
         root,
         name,
         verifier=verifier,
-        dockerfile=f"FROM {BASE}\nRUN echo agent > {AGENT_FILE}\n",
+        dockerfile=f"FROM {base}\nRUN echo agent > {AGENT_FILE}\n",
         tests_dockerfile=tests_dockerfile,
         files={
             "instruction.md": "Write 42 into /logs/artifacts/answer.\n",
@@ -314,8 +320,9 @@ def namespace() -> Iterator[str]:
 @pytest.mark.apptainer
 @pytest.mark.slurm
 def test_separate_verifiers_build_convert_rewrite_and_run_to_reward_one(
-    tmp_path: Path, namespace: str
+    tmp_path: Path, namespace: str, slim_image: str
 ) -> None:
+    # Every image FROM the small test image (bash, no python3): the flow converts three.
     # The author's grader image, pushed by tag like any image a task might name.
     author_image = f"{namespace}/grader:1"
     context = tmp_path / "grader"
@@ -323,17 +330,17 @@ def test_separate_verifiers_build_convert_rewrite_and_run_to_reward_one(
     (context / "test.sh").write_text(_TEST.format(expected=AUTHOR_FILE, agent=AGENT_FILE))
     (context / "test.sh").chmod(0o755)
     (context / "Dockerfile").write_text(
-        f"FROM {BASE}\nRUN echo author > {AUTHOR_FILE}\n{_OWN_TESTS}"
+        f"FROM {slim_image}\nRUN echo author > {AUTHOR_FILE}\n{_OWN_TESTS}"
     )
     for command in (["build", "-t", author_image, str(context)], ["push", author_image]):
         done = subprocess.run(["docker", *command], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
 
     tasks = tmp_path / "tasks"
-    verifier_dockerfile = f"FROM {BASE}\nRUN echo verifier > {VERIFIER_FILE}\n{_OWN_TESTS}"
-    flow_task(tasks, "built", verifier=SEPARATE, expected=VERIFIER_FILE,
+    verifier_dockerfile = f"FROM {slim_image}\nRUN echo verifier > {VERIFIER_FILE}\n{_OWN_TESTS}"
+    flow_task(tasks, "built", base=slim_image, verifier=SEPARATE, expected=VERIFIER_FILE,
               tests_dockerfile=verifier_dockerfile)  # fmt: skip
-    flow_task(tasks, "author", expected=AUTHOR_FILE, tests_dockerfile=None,
+    flow_task(tasks, "author", base=slim_image, expected=AUTHOR_FILE, tests_dockerfile=None,
               verifier=f'[verifier]\ntimeout_sec = 60.0\n\n[verifier.environment]\n'
               f'docker_image = "{author_image}"\n')  # fmt: skip
     manifest, store, run = tmp_path / "manifest.json", tmp_path / "sif", tmp_path / "run"

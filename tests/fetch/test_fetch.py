@@ -170,6 +170,7 @@ def test_dry_run_writes_nothing(fake_hub: FakeHub, hub: Hub, tmp_path: Path) -> 
     fetch(REPO_ID, dest, include=[MIXED], hub=hub)
     again = plan_fetch(REPO_ID, dest, include=[MIXED], hub=hub)
     assert {s.action for s in again.steps} == {"skip: already unpacked, unchanged"}
+    assert {s.to_json()["state"] for s in again.steps} == {"skipped"}
 
 
 def test_no_file_matches_is_bad_input(hub: Hub, tmp_path: Path) -> None:

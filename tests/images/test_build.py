@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.images.build import _PARALLEL_HASH_MIN, plan_build, run_build
-from harbor_hpc.images.registry import Registry, RegistryPath
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.images.build import _PARALLEL_HASH_MIN, parse_build_args, plan_build, run_build
+from harbor_hpc.images.registry import Registry
 from harbor_hpc.tasks.manifest import load_manifest
 from tests.tasks.test_manifest_schema import validate as validate_manifest
 
@@ -106,10 +106,31 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]
 
 
-def test_registry_needs_a_host() -> None:
-    with pytest.raises(HarborHpcError, match="does not start with a registry host"):
-        RegistryPath.parse("myteam/images")
-    assert str(RegistryPath.parse("localhost:5000/a/b/")) == "localhost:5000/a/b"
+# Builds only with BASE_IMAGE given: its default is an image no test machine has.
+ARG_DOCKERFILE = (
+    "ARG BASE_IMAGE=unreachable.invalid/none:1\nFROM $BASE_IMAGE\nARG GREETING=hi\n"
+    "RUN echo $GREETING > /greeting\n"
+)
+
+
+def test_build_args_split_only_the_contexts_that_declare_them(tmp_path: Path) -> None:
+    root = tmp_path / "tasks"
+    make_task(root, "plain", "FROM base\nRUN true\n")
+    make_task(root, "greets", ARG_DOCKERFILE)
+    before = plan_build(root, "localhost:5000/ns")
+    after = plan_build(root, "localhost:5000/ns", build_args={"GREETING": "yo", "OTHER": "1"})
+    images = {image.tasks[0]: image for image in after.images.values()}
+    assert images["plain"].context in before.images and images["plain"].build_args == {}
+    assert images["greets"].context not in before.images
+    assert images["greets"].build_args == {"GREETING": "yo"}
+    assert after.build_args == {"GREETING": "yo", "OTHER": "1"}  # all of them reach Docker
+
+
+def test_build_args_are_name_equals_value() -> None:
+    assert parse_build_args(["A=1", "B=x=y", "A=2", "C="]) == {"A": "2", "B": "x=y", "C": ""}
+    for bad in ("A", "=1", "1A=2"):
+        with pytest.raises(InputError, match="is not NAME=VALUE"):
+            parse_build_args([bad])
 
 
 def test_docker_login_is_read_from_docker_config(
@@ -305,3 +326,36 @@ def test_no_push_records_local_images_that_rewrite_leaves_alone(
                       "--json", env=built.env)  # fmt: skip
     assert rewrite.returncode == 1
     assert "--no-push" in json.loads(rewrite.stdout)["skipped"]["t1"]
+
+
+@pytest.mark.docker
+@pytest.mark.registry
+def test_build_args_reach_the_build_and_the_manifest(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex[:10]
+    root = tmp_path / "tasks"
+    make_task(root, "greets", ARG_DOCKERFILE)
+    config = tmp_path / "harbor-hpc.toml"
+    config.write_text(f'build_args = ["BASE_IMAGE={BASE}", "GREETING=from-config"]\n')
+    (tmp_path / "docker-config").mkdir()
+    env = {**os.environ, "DOCKER_CONFIG": str(tmp_path / "docker-config")}
+    env["HARBOR_HPC_CONFIG"] = str(config)
+    namespace = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/build-args-{token}"
+    manifest = tmp_path / "manifest.json"
+    result = run_cli(
+        "build", str(root), "--registry", namespace, "--manifest", str(manifest),
+        "--build-arg", f"GREETING={token}", "--json", env=env,
+    )  # fmt: skip
+    try:
+        assert result.returncode == 0, result.stderr
+        validate_manifest(json.loads(manifest.read_text()))
+        record = next(iter(load_manifest(manifest).images.values()))
+        assert record.build_args == {"BASE_IMAGE": BASE, "GREETING": token}
+        reference = str(record.reference)
+        assert docker("pull", reference).returncode == 0
+        run = docker("run", "--rm", reference, "cat", "/greeting")
+        assert run.stdout.strip() == token, run.stderr
+    finally:
+        images = docker("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
+        mine = [image for image in images if f"build-args-{token}" in image]
+        if mine:
+            docker("rmi", "-f", *mine)

@@ -92,3 +92,18 @@ def test_hard_linked_files_are_read_once(tmp_path: Path) -> None:
     digests = FileDigests()
     assert context_hash(a, digests) == context_hash(b, digests)
     assert len(digests._known) == 3  # two Dockerfiles, one shared big.bin
+
+
+def test_build_args_make_another_image_and_none_keep_the_old_hash(tmp_path: Path) -> None:
+    dockerfile = "ARG BASE=base\nFROM $BASE\nARG GREETING=hi\nCOPY a.txt /a.txt\n"
+    context = make_context(tmp_path / "ctx", {"a.txt": "a\n"}, dockerfile)
+    for name in ("Dockerfile", "a.txt"):
+        (context / name).chmod(0o644)
+    # What this context hashed to before build args existed: manifests name images by it.
+    before = "255467683a24ee7bd20ebe6bf68e0c8f297dc3f21b657dc8dba42500fadef207"
+    assert context_hash(context) == context_hash(context, build_args={}) == before
+    hashes = {
+        context_hash(context, build_args=args)
+        for args in ({}, {"GREETING": "hello"}, {"GREETING": "hey"}, {"BASE": "hello"})
+    }
+    assert len(hashes) == 4

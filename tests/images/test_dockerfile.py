@@ -1,11 +1,10 @@
 from __future__ import annotations
 
-from harbor_hpc.images.dockerfile import (
-    Copy,
-    final_image_copies,
-    logical_lines,
-    sources_outside_context,
-)
+from harbor_hpc.images.dockerfile import Copy, FinalImageCopies, logical_lines, read_dockerfile
+
+
+def final_image_copies(text: str) -> FinalImageCopies:
+    return read_dockerfile(text).final
 
 
 def test_logical_lines_join_continuations_and_drop_comments() -> None:
@@ -55,4 +54,25 @@ def test_what_cannot_be_replayed_is_named() -> None:
 
 def test_sources_outside_context() -> None:
     text = "FROM a\nCOPY ../shared/lib.py /lib.py\nCOPY ok/../fine.txt /f\nADD x/../../up /u\n"
-    assert sources_outside_context(text) == ["COPY ../shared/lib.py", "ADD x/../../up"]
+    assert read_dockerfile(text).outside == ["COPY ../shared/lib.py", "ADD x/../../up"]
+
+
+def test_build_args_expand_the_args_that_take_them() -> None:
+    text = """\
+ARG BASE=debian:bookworm
+FROM $BASE AS build
+ARG SRC=app DEST
+ARG QUOTED="a b"
+COPY $SRC /opt/$DEST/
+FROM build
+ARG UP=ok
+COPY ${UP}/x /x
+"""
+    plain = read_dockerfile(text)
+    assert plain.args == {"BASE", "SRC", "DEST", "QUOTED", "UP"}
+    assert plain.final.problems == ["COPY $SRC /opt/$DEST/: $DEST has no value in the Dockerfile"]
+    assert plain.outside == []
+    given = read_dockerfile(text, {"DEST": "d", "UP": "..", "UNUSED": "1"})
+    assert given.final.problems == []
+    assert given.final.copies[0] == Copy("COPY", ("app",), "/opt/d", True)
+    assert given.outside == ["COPY ../x"]  # a build arg can point a COPY out of the context

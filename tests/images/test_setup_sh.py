@@ -108,6 +108,16 @@ def test_unreplayable_dockerfile_is_named_and_others_written(tmp_path: Path) -> 
     assert "nothere.txt is not in the build context" in messages["missing"]
 
 
+def test_replay_expands_the_build_args_the_image_was_built_with(tmp_path: Path) -> None:
+    root = tmp_path / "tasks"
+    env = make_task(root, "t", "FROM a\nARG DATA\nCOPY $DATA /data\n", {"one.txt": "1"})
+    without = write_setup_scripts(root, replay_copy=True, dry_run=True)
+    assert "$DATA has no value" in without.problems[0].message
+    result = write_setup_scripts(root, replay_copy=True, build_args={"DATA": "one.txt"})
+    assert result.written == ["t"]
+    assert "one.txt" in (env / "files" / "setup.sh").read_text()
+
+
 def test_script_fails_clearly_without_python_deps_or_wheels(tmp_path: Path) -> None:
     env = make_task(tmp_path / "tasks", "t", "FROM base\n", {})
     write_setup_scripts(tmp_path / "tasks")

@@ -48,9 +48,9 @@ def test_one_line_per_finished_trial_with_tokens(tmp_path: Path) -> None:
     # t2 never finished: no result.json, no line.
 
     out = tmp_path / "out" / "rollouts.jsonl"
-    assert export_run(run_dir, out, dry_run=True) == 1
+    assert export_run(run_dir, out, dry_run=True).rollouts == 1
     assert not out.exists()
-    assert export_run(run_dir, out) == 1
+    assert export_run(run_dir, out).rollouts == 1
     (line,) = [json.loads(text) for text in out.read_text().splitlines()]
     assert line["task"] == "a" and line["trial"] == "t1" and line["attempt"] == 0
     assert line["reward"] == 1.0 and line["rewards"] == {"reward": 1.0}

@@ -9,6 +9,7 @@ import pytest
 from harbor_hpc.apptainer.store import is_ready
 from harbor_hpc.slurm.convert import plan_conversions
 from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
+from tests.support.fake_slurm import FakeSlurm
 from tests.support.images import Recorder, TinyImage, write_manifest
 
 DIGEST = "sha256:" + "ab" * 32
@@ -159,8 +160,10 @@ def test_convert_on_slurm(tiny_image: TinyImage, tmp_path: Path) -> None:
     assert list((store / ".slurm").iterdir())  # the array job's logs
 
 
-@pytest.mark.slurm
-def test_slurm_refusal_is_a_clear_error(tmp_path: Path) -> None:
+def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -> None:
+    fake_slurm.answer(
+        "sbatch", stderr="sbatch: error: invalid partition specified: no-such\n", returncode=1
+    )
     manifest = tmp_path / "manifest.json"
     write_manifest(manifest, {"img": record("localhost:5000/ns/a", DIGEST, ["t/1"])})
     store = str(tmp_path / "store")
@@ -168,5 +171,10 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path) -> None:
         "--manifest", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such"
     )
     assert result.returncode == 1
-    assert "Slurm refused the conversion job" in result.stderr
+    assert (
+        "error: Slurm refused the conversion job: sbatch: error: invalid partition specified: "
+        "no-such" in result.stderr
+    )
     assert "Traceback" not in result.stderr
+    [[script]] = fake_slurm.calls("sbatch")
+    assert "#SBATCH --partition=no-such" in Path(script).read_text()

@@ -5,14 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from harbor_hpc.results.record import Unit
-from harbor_hpc.slurm.resources import (
-    NodeLimits,
-    Resources,
-    chunked,
-    element_resources,
-    fit_to_node,
-    parse_max_array_size,
-)
+from harbor_hpc.slurm.cluster import NodeLimits
+from harbor_hpc.slurm.resources import Resources, chunked, element_resources, fit_to_node
 from harbor_hpc.slurm.submit import (
     SubmitOptions,
     image_problem,
@@ -48,11 +42,6 @@ def test_resources_follow_the_tasks(tmp_path: Path) -> None:
     assert four.mem_mb == 2 * 1024 + one.mem_mb - 1024
     assert four.time_min > one.time_min  # two waves of two
     assert fit_to_node(four, NodeLimits(cpus=1, mem_mb=1000)) == Resources(four.time_min, 1000, 1)
-
-
-def test_max_array_size_from_scontrol_output() -> None:
-    assert parse_max_array_size("Foo = 1\nMaxArraySize            = 10001\n") == 10001
-    assert parse_max_array_size("nothing") == 1001
 
 
 def test_image_problems_name_the_task_file(tmp_path: Path) -> None:

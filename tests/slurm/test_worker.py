@@ -16,11 +16,16 @@ def test_units_left_after_a_requeue(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     paths = RunPaths(run_dir)
 
-    def started(trial: str, task: str, submission: int, result: dict[str, object] | None) -> None:
-        write_marker(
-            run_dir,
-            Marker(trial, task, 0, submission, "9_0", socket.gethostname(), 1, f"2026-{trial}"),
-        )
+    def started(
+        trial: str,
+        task: str,
+        submission: int,
+        result: dict[str, object] | None,
+        **stopped: str,
+    ) -> None:
+        host = socket.gethostname()
+        marker = Marker(trial, task, 0, submission, "9_0", host, 1, f"2026-{trial}", **stopped)
+        write_marker(run_dir, marker)
         paths.trial(trial).mkdir(parents=True)
         if result is not None:
             (paths.trial(trial) / "result.json").write_text(json.dumps(result))
@@ -33,7 +38,19 @@ def test_units_left_after_a_requeue(tmp_path: Path) -> None:
     started("t3", "done-before", 1, solved)  # done in an earlier submission: never again
     started("t4", "failed-before", 1, failed)  # resubmitted with --failed: run again
     started("t5", "cancelled", 2, cancelled)  # the requeue signal cancelled it: run again
-    names = ("finished-here", "cut-off", "done-before", "failed-before", "cancelled", "new")
-    units = [Unit(t, 0) for t in names]
+    # The requeue's SIGTERM killed the agent, and the verifier then gave reward 0: run again.
+    unsolved = harbor_result(tmp_path, rewards={"reward": 0})
+    started("t6", "cut-short", 2, unsolved, terminated_by="SIGTERM")
+    # The container could not even start while the job was being stopped: run again.
+    started("t7", "stopped", 2, None, error_type="ContainerStartFailed", terminated_by="SIGTERM")
+    names = ("finished-here", "cut-off", "done-before", "failed-before", "cancelled")
+    units = [Unit(t, 0) for t in (*names, "cut-short", "stopped", "new")]
     left = ChunkWorker(str(run_dir), submission=2, concurrency=2).units_left(run_dir, units)
-    assert [u.task for u in left] == ["cut-off", "failed-before", "cancelled", "new"]
+    assert [u.task for u in left] == [
+        "cut-off",
+        "failed-before",
+        "cancelled",
+        "cut-short",
+        "stopped",
+        "new",
+    ]

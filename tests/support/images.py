@@ -1,15 +1,21 @@
-"""A tiny image for the .sif store's tests, an `apptainer` that logs its calls, and manifests.
+"""The images the tests build, an `apptainer` that logs its calls, and manifests.
 
 Converting a 200 MB image takes about 20 s here, so the image the store's tests convert is a
 2 MB one built from the test base image (a shell and libc only): each conversion takes about a
-second, and the session converts it once for every test that only needs a finished .sif.
+second, and the session converts it once for every test that only needs a finished .sif. Tests
+whose tasks must run convert a 60 MB one (bash, coreutils) instead, in about 7 s. The base
+image's .sif and a published task's image are built once per session (tests/conftest.py).
 """
 
 from __future__ import annotations
 
+import io
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.core.proc import run
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
 TINY_DOCKERFILE = """\
@@ -20,6 +26,70 @@ COPY --from=base /lib/x86_64-linux-gnu/libc.so.6 /lib/x86_64-linux-gnu/libc.so.6
 COPY --from=base /lib64/ld-linux-x86-64.so.2 /lib64/ld-linux-x86-64.so.2
 LABEL org.harbor-hpc.test={nonce}
 """
+
+# The test image without python3 (`base`), less what no test reads, flattened into one layer.
+SLIM_DOCKERFILE = """\
+FROM {base} AS full
+RUN rm -rf /usr/share/locale /usr/share/doc /usr/share/man /usr/share/info /usr/share/zoneinfo \\
+    /usr/lib/x86_64-linux-gnu/gconv /usr/lib/x86_64-linux-gnu/perl-base /usr/share/perl5 \\
+    /var/cache/* /var/lib/apt/lists/* /var/log/*
+FROM scratch
+COPY --from=full / /
+"""
+SLIM_TAG = "harbor-hpc-test/slim:bookworm"
+
+# A published task's image: a root-owned WORKDIR, ENV, an ENTRYPOINT that edits /etc/hosts
+# and leaves a mark, then runs the command it was given (Harbor's `sleep infinity`).
+FIDELITY_DOCKERFILE = """\
+FROM {base}
+RUN mkdir -p /app && chmod 755 /app && echo 'seed' > /app/seed.txt
+WORKDIR /app
+ENV LANG=C.UTF-8 GREETING="hello world"
+ENTRYPOINT ["/bin/sh", "-c", \
+    "echo '10.1.2.3 entry.test' >> /etc/hosts; : > /tmp/entrypoint-ran; exec \\"$@\\"", "--"]
+"""
+FIDELITY_TAG = "harbor-hpc-test/fidelity:bookworm"
+
+FAST_SQUASH = "--mksquashfs-args=-comp lz4"
+
+
+def build_sif(
+    sif: Path, image: str, *, env: Mapping[str, str] | None = None, background: bool = False
+) -> Path:
+    """`apptainer build` of the local Docker `image` into `sif`, readable by every local user;
+    in the `background`, at the lowest CPU priority.
+
+    mksquashfs's default (gzip at its highest level) is most of a conversion's time; images the
+    tests make for themselves are squashed with lz4 instead, which halves the build and which
+    squashfuse reads as well. Conversions the tests are about keep Apptainer's defaults.
+    """
+    build = [find_apptainer(), "build", "-F", FAST_SQUASH, str(sif), f"docker-daemon://{image}"]
+    built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
+    assert built.ok, f"apptainer build of {image}: {built.why()}"
+    sif.chmod(0o755)
+    return sif
+
+
+def build_debian_sif(folder: Path, env: Mapping[str, str], *, background: bool) -> Path:
+    """The test base image (python3 included) as a .sif."""
+    image = env.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    return build_sif(folder / "debian.sif", image, env=env, background=background)
+
+
+def build_fidelity_sif(folder: Path, env: Mapping[str, str], *, background: bool) -> Path:
+    """A published task's image (FIDELITY_DOCKERFILE), built by Docker and turned into a .sif
+    as `harbor-hpc convert` does. Kept in Docker under a fixed tag: later sessions find it."""
+    import docker
+
+    client = docker.from_env()
+    base = env.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    dockerfile = FIDELITY_DOCKERFILE.format(base=base).encode()
+    try:
+        client.images.build(fileobj=io.BytesIO(dockerfile), tag=FIDELITY_TAG, rm=True)
+    finally:
+        client.close()
+    return build_sif(folder / "fidelity.sif", FIDELITY_TAG, env=env, background=background)
+
 
 # Stands in for `apptainer`: logs each call's verb, can slow a pull down before or after the
 # real one (to overlap concurrent converters, or to kill one mid-way), then runs the real binary.

@@ -27,8 +27,9 @@ SOLVE = {
         "echo 42 > /tmp/answer\n"
     ),
     "slow": "sleep 600\necho 42 > /tmp/answer\n",
-    # Solves, but takes long enough to be caught running (and cancelled) by a test.
-    "sleepy": "sleep 15\necho 42 > /tmp/answer\n",
+    # Solves, but takes long enough to be caught running (and cancelled) by a test, however
+    # slowly its container starts; the test then makes it a solved task for the rerun.
+    "sleepy": "sleep 60\necho 42 > /tmp/answer\n",
 }
 
 

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from harbor.models.task.config import NetworkMode
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.tasks.discovery import discover_tasks
@@ -29,10 +30,14 @@ def test_finds_tasks_at_any_depth_and_reports_problems(tmp_path: Path) -> None:
     assert [t.rel for t in found.tasks] == ["a", "deep/er/b"]
     a, b = found.tasks
     assert (a.docker_image, a.memory_mb) == ("img", 512)
-    assert b.timeout_sec("agent") == 30.0 and b.timeout_sec("verifier") is None
+    assert b.agent_timeout_sec == 30.0 and b.verifier_timeout_sec == 600.0  # Harbor's default
     problems = {p.path.relative_to(tmp_path).as_posix(): p.message for p in found.problems}
     assert problems.keys() == {"broken/task.toml", "nodockerfile", "badtype/task.toml", "link"}
     assert "not valid TOML" in problems["broken/task.toml"]
+    assert problems["badtype/task.toml"] == (
+        "environment.memory_mb: Input should be a valid integer, unable to parse string as an "
+        "integer"
+    )
     assert "duplicate of" in problems["link"]
 
 
@@ -45,3 +50,22 @@ def test_dockerfile_optional_and_root_task(tmp_path: Path) -> None:
 def test_missing_root_is_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="not a folder"):
         discover_tasks(tmp_path / "nope")
+
+
+def test_harbor_migrations_apply(tmp_path: Path) -> None:
+    make_task(
+        tmp_path / "old",
+        'version = "1.0"\n[environment]\nmemory = "2G"\nallow_internet = false\n'
+        '[verifier.environment]\ndocker_image = "grader"\n',
+    )
+    make_task(tmp_path / "clash", '[environment]\nmemory = "1G"\nmemory_mb = 512\n')
+    found = discover_tasks(tmp_path)
+    (task,) = found.tasks
+    assert task.memory_mb == 2048
+    assert task.config.environment.network_mode == NetworkMode.NO_NETWORK
+    assert task.separate_verifier and task.verifier_docker_image == "grader"
+    (problem,) = found.problems
+    assert str(problem) == (
+        f"{tmp_path}/clash/task.toml: environment: Value error, Conflicting 'memory' and "
+        "'memory_mb' values: memory='1G' (1024 MB) != memory_mb=512."
+    )

@@ -1,0 +1,394 @@
+"""Whether Apptainer can run task containers here, for this user, probed for real.
+
+The runtime needs a binary that starts (the environment's `preflight`), a flag set that runs
+images (`runtime.run_flags`) and the task container as `runtime.task_container_command` starts
+it. These probes try exactly those, and the host facts they depend on (user namespaces, subuid
+ranges, /dev/fuse, squashfuse, a setuid starter, slirp4netns), on a tiny image of their own:
+`harbor-hpc doctor` shows what they find, with what to do about each gap. Every probe is bounded
+in time (core.proc) and reports a failure as a `Finding`, never an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from harbor_hpc.apptainer.network import ADMIN_HINT, own_network_problem
+from harbor_hpc.apptainer.runtime import (
+    CANDIDATE_FLAGS,
+    FAKEROOT,
+    FAKEROOT_HINT,
+    PROBE_TIMEOUT_S,
+    find_apptainer,
+    first_that_runs,
+    remove_private_dir,
+    task_container_command,
+)
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.files import file_lock
+from harbor_hpc.core.probe import Finding, Status, current_user
+from harbor_hpc.core.proc import run
+
+log = logging.getLogger(__name__)
+
+BUILD_TIMEOUT_S = 120.0
+LOW_FREE_BYTES = 10 * 2**30
+_INSTALL_FIX = (
+    "`module load apptainer` (or singularity) on a cluster, else install Apptainer; "
+    "HARBOR_HPC_APPTAINER=/path/to/apptainer names a binary off PATH"
+)
+_BROKEN_FIX = "the install looks broken: reinstall it, or load another module"
+
+
+def findings(cache_dir: Path) -> list[Finding]:
+    """Everything about Apptainer here: the install, the host's support for it, and a real run
+    of an image in each mode the runtime may use (the image is kept in `cache_dir`)."""
+    install = install_findings()
+    if any(finding.status is Status.MISSING for finding in install):
+        return install
+    binary = find_apptainer()
+    build_config = apptainer_build_config(binary)
+    userns = userns_finding()
+    found = [
+        *install,
+        userns,
+        setuid_finding(build_config),
+        subid_finding(),
+        fuse_finding(),
+        squashfuse_finding(build_config),
+        network_finding(),
+    ]
+    if userns.status is not Status.OK and not _is_setuid_root(_suid_starter_path(build_config)):
+        found.append(
+            Finding(
+                "privileges",
+                Status.MISSING,
+                "neither unprivileged user namespaces nor a setuid install",
+                "an admin enables user namespaces (sysctl user.max_user_namespaces=15000) "
+                "or installs apptainer-suid",
+            )
+        )
+    return [*found, *run_findings(binary, cache_dir)]
+
+
+def install_findings() -> list[Finding]:
+    """The binary (on PATH or HARBOR_HPC_APPTAINER), and whether it starts at all."""
+    try:
+        binary = find_apptainer()
+    except HarborHpcError as exc:
+        return [Finding("binary", Status.MISSING, exc.message, _INSTALL_FIX)]
+    version = run([binary, "--version"])
+    if not version.ok:
+        return [
+            Finding("binary", Status.OK, binary),
+            Finding("version", Status.MISSING, version.why(), _BROKEN_FIX),
+        ]
+    return [
+        Finding("binary", Status.OK, binary),
+        Finding("version", Status.OK, version.stdout.strip()),
+    ]
+
+
+def install_problem() -> str | None:
+    """None when an Apptainer binary is there and starts, else what is wrong and the fix."""
+    for finding in install_findings():
+        if finding.status is Status.MISSING:
+            return f"{finding.detail}; {finding.fix}"
+    return None
+
+
+def apptainer_build_config(binary: str) -> dict[str, str]:
+    """`apptainer buildcfg` as a dict (install prefix, libexec dir, whether setuid)."""
+    answer = run([binary, "buildcfg"])
+    if not answer.ok:
+        return {}
+    pairs = (line.split("=", 1) for line in answer.stdout.splitlines() if "=" in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def userns_finding() -> Finding:
+    """Whether this user may create a user namespace: the sysctls, then a real `unshare`."""
+    limit = _read_int("/proc/sys/user/max_user_namespaces")
+    if limit == 0:
+        return Finding(
+            "user namespaces",
+            Status.WARN,
+            "disabled (user.max_user_namespaces = 0)",
+            "an admin runs `sysctl -w user.max_user_namespaces=15000`",
+        )
+    if _read_int("/proc/sys/kernel/unprivileged_userns_clone") == 0:
+        return Finding(
+            "user namespaces",
+            Status.WARN,
+            "disabled for unprivileged users (kernel.unprivileged_userns_clone = 0)",
+            "an admin runs `sysctl -w kernel.unprivileged_userns_clone=1`",
+        )
+    attempt = run([sys.executable, "-c", "import os; os.unshare(os.CLONE_NEWUSER)"])
+    if not attempt.ok:
+        fix = "an admin allows unprivileged user namespaces (sysctl, AppArmor or seccomp policy)"
+        return Finding("user namespaces", Status.WARN, attempt.why(), fix)
+    return Finding("user namespaces", Status.OK, f"available (limit {limit})")
+
+
+def setuid_finding(build_config: dict[str, str]) -> Finding:
+    starter = _suid_starter_path(build_config)
+    if _is_setuid_root(starter):
+        return Finding("setuid", Status.OK, f"setuid install ({starter})")
+    if not starter.exists():
+        return Finding("setuid", Status.OK, "not a setuid install (uses namespaces)")
+    return Finding(
+        "setuid",
+        Status.WARN,
+        f"{starter} exists but is not setuid root",
+        f"an admin runs `chown root {starter} && chmod u+s {starter}`, or removes it",
+    )
+
+
+def _suid_starter_path(build_config: dict[str, str]) -> Path:
+    return Path(build_config.get("LIBEXECDIR", "/usr/libexec")) / "apptainer/bin/starter-suid"
+
+
+def _is_setuid_root(path: Path) -> bool:
+    try:
+        mode = path.stat()
+    except OSError:
+        return False
+    return mode.st_uid == 0 and bool(mode.st_mode & 0o4000)
+
+
+def subid_finding() -> Finding:
+    """`--fakeroot` maps the user onto a range from /etc/subuid and /etc/subgid."""
+    user, uid = current_user(), str(os.getuid())
+    absent = [
+        path for path in ("/etc/subuid", "/etc/subgid") if not _has_subid_range(path, user, uid)
+    ]
+    if absent:
+        return Finding(
+            "fakeroot ids",
+            Status.WARN,
+            f"no line for {user} in {' and '.join(absent)}: --fakeroot is limited",
+            f"an admin adds `{user}:100000:65536` (a free range) to /etc/subuid and /etc/subgid",
+        )
+    if os.getuid() != 0 and not shutil.which("newuidmap"):
+        return Finding(
+            "fakeroot ids",
+            Status.WARN,
+            "newuidmap is not on PATH",
+            "an admin installs the uidmap package",
+        )
+    return Finding("fakeroot ids", Status.OK, f"{user} has subuid and subgid ranges")
+
+
+def _has_subid_range(path: str, user: str, uid: str) -> bool:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split(":", 1)[0] in (user, uid) for line in lines if line.count(":") == 2)
+
+
+def fuse_finding() -> Finding:
+    """Unprivileged Apptainer mounts a SIF with squashfuse, which needs /dev/fuse."""
+    if not os.path.exists("/dev/fuse"):
+        return Finding(
+            "/dev/fuse",
+            Status.WARN,
+            "absent: images are unpacked to a temporary folder at every start (slow)",
+            "an admin loads the fuse module (`modprobe fuse`)",
+        )
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return Finding(
+            "/dev/fuse",
+            Status.WARN,
+            f"not readable and writable by {current_user()}: images are unpacked at every start",
+            "an admin runs `chmod 666 /dev/fuse`",
+        )
+    return Finding("/dev/fuse", Status.OK, "readable and writable")
+
+
+def squashfuse_finding(build_config: dict[str, str]) -> Finding:
+    bundled = Path(build_config.get("LIBEXECDIR", "/usr/libexec")) / "apptainer/bin"
+    for name in ("squashfuse_ll", "squashfuse"):
+        found = shutil.which(name) or shutil.which(name, path=str(bundled))
+        if found:
+            return Finding("squashfuse", Status.OK, found)
+    return Finding(
+        "squashfuse",
+        Status.WARN,
+        "neither squashfuse_ll nor squashfuse found: images are unpacked at every start",
+        "install squashfuse (`apt-get install squashfuse`, or `module load squashfuse`)",
+    )
+
+
+def network_finding() -> Finding:
+    """A network namespace of its own for every container that may use the network."""
+    problem = own_network_problem()
+    if problem is None:
+        return Finding("own network", Status.OK, "slirp4netns, /dev/net/tun usable")
+    return Finding(
+        "own network",
+        Status.WARN,
+        f"{problem}: containers with network share the node's (ports collide, none below 1024)",
+        ADMIN_HINT,
+    )
+
+
+def run_findings(binary: str, cache_dir: Path) -> list[Finding]:
+    """The proof: run a tiny image, as this user, as the task container and in each mode
+    `run_flags` may pick."""
+    try:
+        with probe_image(binary, cache_dir) as image:
+            return [task_container_finding(image), exec_finding(image)]
+    except HarborHpcError as exc:
+        return [Finding("run an image", Status.WARN, f"not tried: {exc.message}", exc.hint or "")]
+
+
+def exec_finding(image: Path) -> Finding:
+    """Each flag set `run_flags` tries without root (for `fakeroot=false`), in its order."""
+    flags, failures = first_that_runs(image, CANDIDATE_FLAGS)
+    tried = {" ".join(tried) or "plain": why for tried, why in failures}
+    if flags is None:
+        return Finding(
+            "run an image",
+            Status.MISSING,
+            "; ".join(f"{mode}: {why}" for mode, why in tried.items()),
+            "see the rows above (user namespaces, /dev/fuse); `apptainer exec` of any image "
+            "must work for this user",
+        )
+    failed = "".join(f" ({mode} failed: {why})" for mode, why in tried.items())
+    how = f"with {' '.join(flags)}" if flags else "plain"
+    return Finding("run an image", Status.OK, f"runs {how}{failed}")
+
+
+def task_container_finding(image: Path) -> Finding:
+    """The task container as the environment starts it: root inside, writing its image through
+    an overlay on the scratch space ($TMPDIR), in a network namespace of its own."""
+    scratch = Path(tempfile.mkdtemp(prefix="harbor-hpc-doctor-"))
+    try:
+        (scratch / "overlay").mkdir()
+        command = task_container_command(
+            image,
+            FAKEROOT,
+            ["/bin/sh", "-c", ': > /harbor-hpc-probe && [ "$HOME" ]'],
+            overlay=scratch / "overlay",
+            own_network=True,
+        )
+        attempt = run(command, timeout=PROBE_TIMEOUT_S)
+    finally:
+        remove_private_dir(scratch)
+    if attempt.ok:
+        return Finding(
+            "task container",
+            Status.OK,
+            f"root inside, writable overlay on {scratch.parent}, no-network namespace",
+        )
+    return Finding(
+        "task container",
+        Status.MISSING,
+        f"--fakeroot with an overlay fails ({attempt.why()}): tasks cannot run as in Docker",
+        FAKEROOT_HINT,
+    )
+
+
+@contextmanager
+def probe_image(binary: str, cache_dir: Path) -> Iterator[Path]:
+    """A tiny SIF (a shell and its libraries), built once into the cache, else a temp folder."""
+    cached = cache_dir / ".doctor" / f"probe-{platform.machine()}.sif"
+    if not cached.is_file():
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with file_lock(cached.with_suffix(".lock"), timeout=BUILD_TIMEOUT_S):
+                if not cached.is_file():
+                    _build_probe_image(binary, cached)
+        except OSError as exc:
+            log.info("cannot keep the test image in %s (%s): using a temporary one", cached, exc)
+    if cached.is_file():
+        yield cached
+        return
+    with tempfile.TemporaryDirectory(prefix="harbor-hpc-doctor-") as scratch:
+        image = Path(scratch) / cached.name
+        _build_probe_image(binary, image)
+        yield image
+
+
+def _build_probe_image(binary: str, target: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix=".rootfs-", dir=target.parent) as scratch:
+        rootfs = Path(scratch) / "rootfs"
+        _make_rootfs(rootfs)
+        partial = Path(scratch) / "probe.sif"
+        built = run(
+            [binary, "build", "--force", str(partial), str(rootfs)], timeout=BUILD_TIMEOUT_S
+        )
+        if not built.ok:
+            raise HarborHpcError(
+                f"could not build a tiny test image: {built.why()}",
+                hint="mksquashfs (squashfs-tools) must be on PATH for `apptainer build`",
+            )
+        os.replace(partial, target)
+
+
+def _make_rootfs(rootfs: Path) -> None:
+    """A root file system holding /bin/sh: a static busybox if there is one, else the host's
+    shell with the libraries `ldd` names (which keeps the image under 2 MB)."""
+    (rootfs / "bin").mkdir(parents=True)
+    (rootfs / "etc").mkdir()
+    for name in ("passwd", "group"):  # apptainer appends the user to these
+        (rootfs / "etc" / name).write_text("")
+    busybox = shutil.which("busybox")
+    if busybox:
+        linked = run(["ldd", busybox])
+        if "not a dynamic" in linked.stdout + linked.stderr:
+            shutil.copy(busybox, rootfs / "bin" / "sh")
+            return
+    shell = shutil.which("sh") or "/bin/sh"
+    libraries = run(["ldd", shell])
+    if not libraries.ok:
+        raise HarborHpcError(
+            f"no image to run: cannot list the libraries of {shell} ({libraries.why()})",
+            hint="install busybox-static, or put ldd on PATH",
+        )
+    shutil.copy(shell, rootfs / "bin" / "sh")
+    for line in libraries.stdout.splitlines():
+        path = next((word for word in line.split() if word.startswith("/")), None)
+        if path:
+            destination = rootfs / path.lstrip("/")
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, destination)  # follows symlinks: the image holds real files
+
+
+def store_finding(cache_dir: Path) -> Finding:
+    """Whether the .sif store can be (or is) a writable folder with room for images."""
+    fix = "pass --cache-dir DIR, set cache_dir in harbor-hpc.toml, or export HARBOR_HPC_CACHE"
+    existing = cache_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return Finding("folder", Status.WARN, f"{existing} is not a folder", fix)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == cache_dir else f"cannot be created in {existing}"
+        return Finding("folder", Status.WARN, f"{cache_dir} {what}", fix)
+    free = shutil.disk_usage(existing).free
+    state = "exists" if existing == cache_dir else "will be created"
+    detail = f"{cache_dir} ({state}, {free / 2**30:.1f} GiB free)"
+    if free < LOW_FREE_BYTES:
+        return Finding(
+            "folder",
+            Status.WARN,
+            f"{detail}: images take 0.1 to several GiB each",
+            f"free space, or {fix}",
+        )
+    return Finding("folder", Status.OK, detail)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        return int(Path(path).read_text().strip())
+    except (OSError, ValueError):
+        return None

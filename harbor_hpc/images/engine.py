@@ -1,0 +1,58 @@
+"""The Docker Engine the build role talks to, through DOCKER_HOST or the default socket.
+
+`engine_finding` is what `harbor-hpc doctor --role build` shows; `unreachable` turns whatever
+the Docker client raised when it could not talk to the engine into the reason and the fix a
+user needs (the client raises DockerException, requests' errors or OSError, with long texts).
+"""
+
+from __future__ import annotations
+
+import os
+
+from harbor_hpc.core.probe import Finding, Status, current_user
+
+# Short enough that a dead socket cannot stall the doctor, long enough for a busy machine.
+PING_TIMEOUT_S = 5
+
+
+def engine_finding() -> Finding:
+    """Whether the engine answers, with its version, or why not and what to do."""
+    import docker  # imported here: it takes a few tenths of a second and only this probe needs it
+
+    try:
+        client = docker.from_env(timeout=PING_TIMEOUT_S)
+        try:
+            client.ping()
+            version = client.version()
+        finally:
+            client.close()
+    except Exception as exc:  # see the module docstring: no one exception type covers them
+        reason, fix = unreachable(exc)
+        return Finding("engine", Status.MISSING, f"{where()}: {reason}", fix)
+    detail = (
+        f"Docker {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) at {where()}"
+    )
+    return Finding("engine", Status.OK, detail)
+
+
+def where() -> str:
+    return os.environ.get("DOCKER_HOST") or "the default socket (/var/run/docker.sock)"
+
+
+def unreachable(exc: Exception) -> tuple[str, str]:
+    """(why the engine could not be reached, what to do) from the client's exception."""
+    text = str(exc)
+    if "Permission denied" in text:
+        return (
+            "permission denied on the socket",
+            f"an admin adds {current_user()} to the docker group (then log in again)",
+        )
+    fix = (
+        "start the engine (`systemctl start docker`, or `dockerd &`), or point at one: "
+        "`export DOCKER_HOST=unix:///run/user/$UID/docker.sock` (rootless) or tcp://HOST:2375"
+    )
+    if "No such file" in text or "FileNotFoundError" in text:
+        return "no socket there", fix
+    if "Connection refused" in text:
+        return "connection refused (is dockerd running?)", fix
+    return text[-200:], fix

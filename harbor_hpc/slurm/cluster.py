@@ -1,0 +1,344 @@
+"""Every Slurm command harbor-hpc runs: squeue, sinfo, scontrol, and sbatch (through submitit).
+
+One place, so that every call is bounded in time (a hung `squeue` on a busy login node must not
+hang `submit` or `status`), fails in one line that names the command and says what to try, and
+has its output read by a pure `parse_*` function tested against recorded output. `sacct` is
+never called: clusters often run without accounting, so a job's fate is read from `squeue` and
+from the files its trials leave (`harbor_hpc.results`).
+
+Jobs are queued through submitit, whose executor `executor` builds for every caller (trial
+arrays and image conversions), for Slurm and for local processes alike.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.proc import QUICK_TIMEOUT_S, Ran, run
+
+# squeue, sinfo and scontrol answer from the controller's memory: seconds even when it is busy.
+QUERY_TIMEOUT_S = QUICK_TIMEOUT_S
+# sbatch waits for the controller to accept the job and retries while it is busy.
+SBATCH_TIMEOUT_S = 60.0
+# How often submitit requeues an element that reached its time limit or was preempted.
+MAX_REQUEUES = 3
+# Slurm's own default when the configuration does not say.
+DEFAULT_MAX_ARRAY_SIZE = 1001
+COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo")
+CONTROLLER_HINT = "is the Slurm controller up and answering? (`scontrol ping`)"
+
+# squeue prints not-yet-expanded array elements as `1234_[3-7%2]`.
+_ARRAY_RANGE = re.compile(r"^(\d+)_\[([^\]]+)\]$")
+# sinfo's state names (%T) of nodes that take or run jobs. A suffix marks a node that is
+# powered down (~) or powering up (#) or due for maintenance ($ @ ^ -): Slurm wakes or keeps
+# using those, so they count; "*" (not responding) does not.
+_USABLE_STATES = {"idle", "mixed", "allocated", "completing", "planned"}
+_WAKING_SUFFIXES = "~#$@^-"
+
+
+class SlurmError(HarborHpcError):
+    """A Slurm command that is missing, failed or did not answer in time."""
+
+
+class Executor(StrEnum):
+    """Where a run's jobs go; `auto` is Slurm when sbatch is on PATH, else local processes."""
+
+    AUTO = "auto"
+    SLURM = "slurm"
+    LOCAL = "local"
+
+
+def sbatch_found() -> bool:
+    return shutil.which("sbatch") is not None
+
+
+def choose_executor(executor: str) -> Executor:
+    """The executor `--executor` names, `auto` resolved; Slurm only where sbatch is."""
+    try:
+        chosen = Executor(executor)
+    except ValueError:
+        known = ", ".join(Executor)
+        raise InputError(f"--executor {executor!r} is not one of {known}") from None
+    if chosen is Executor.AUTO:
+        return Executor.SLURM if sbatch_found() else Executor.LOCAL
+    if chosen is Executor.SLURM:
+        require_sbatch(
+            "--executor slurm",
+            hint="run on a Slurm login node (`module load slurm`?) or use --executor local",
+        )
+    return chosen
+
+
+def require_sbatch(what: str, *, hint: str) -> None:
+    if not sbatch_found():
+        raise SlurmError(f"{what}, but sbatch is not on PATH", hint=hint)
+
+
+def _query(command: list[str], *, timeout: float, hint: str) -> Ran:
+    """Run a Slurm query to its end or `timeout`; a command not on PATH raises, a failure is
+    returned for the caller to judge."""
+    if shutil.which(command[0]) is None:
+        raise SlurmError(f"{command[0]} is not on PATH", hint=hint)
+    return run(command, timeout=timeout)
+
+
+def _failed(ran: Ran, hint: str) -> SlurmError:
+    return SlurmError(f"`{' '.join(ran.command)}` failed: {ran.why()}", hint=hint)
+
+
+# --- squeue: which jobs still live ------------------------------------------------------------
+
+
+def expand_array(job: str) -> list[str]:
+    """`1234_[0-2,5%2]` as its elements (`1234_0`, `1234_1`...); any other id as itself."""
+    match = _ARRAY_RANGE.match(job)
+    if not match:
+        return [job]
+    base, spec = match.groups()
+    ids: list[str] = []
+    for part in spec.split("%", 1)[0].split(","):
+        first, _, last = part.partition("-")
+        ids.extend(f"{base}_{i}" for i in range(int(first), int(last or first) + 1))
+    return ids
+
+
+def parse_squeue_ids(text: str) -> set[str]:
+    """The job ids of `squeue -h -r -o %i` output, array ranges expanded."""
+    return {element for token in text.split() for element in expand_array(token)}
+
+
+def queued_jobs(job_ids: Collection[str], *, timeout: float = QUERY_TIMEOUT_S) -> set[str]:
+    """Which array elements (`1234_5`) or plain jobs of `job_ids` squeue still knows."""
+    if not job_ids:
+        return set()
+    hint = f"run this on a login node of the cluster that ran the jobs; {CONTROLLER_HINT}"
+    command = ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)]
+    ran = _query(command, timeout=timeout, hint=hint)
+    if not ran.ok:
+        if not ran.error and "Invalid job id" in ran.stderr:
+            return set()  # every job has left the queue (squeue only errs for a lone id)
+        raise _failed(ran, hint)
+    return parse_squeue_ids(ran.stdout)
+
+
+# --- sinfo and scontrol: what the cluster offers ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeLimits:
+    cpus: int
+    mem_mb: int
+
+
+def parse_node_limits(text: str) -> NodeLimits | None:
+    """The biggest node of `sinfo -h -o "%c %m"` output (a `+` marks the smallest of a range)."""
+    nodes = []
+    for line in text.splitlines():
+        cpus, _, mem = line.strip().partition(" ")
+        try:
+            nodes.append(NodeLimits(int(cpus.rstrip("+")), int(mem.rstrip("+"))))
+        except ValueError:
+            continue
+    return max(nodes, key=lambda node: (node.mem_mb, node.cpus), default=None)
+
+
+def partition_limits(
+    partition: str | None, *, timeout: float = QUERY_TIMEOUT_S
+) -> NodeLimits | None:
+    """The biggest node of `partition` (the default partition when None); None when sinfo
+    lists none (an unknown partition, which sbatch then refuses by name)."""
+    command = ["sinfo", "-h", "-o", "%c %m"]
+    if partition:
+        command += ["-p", partition]
+    hint = f"submit needs sinfo to size the jobs; {CONTROLLER_HINT}"
+    ran = _query(command, timeout=timeout, hint=hint)
+    if not ran.ok:
+        raise _failed(ran, hint)
+    return parse_node_limits(ran.stdout)
+
+
+def parse_max_array_size(config_text: str) -> int:
+    """MaxArraySize from `scontrol show config` output, else Slurm's default."""
+    for line in config_text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "MaxArraySize":
+            try:
+                return int(value.strip())
+            except ValueError:
+                break
+    return DEFAULT_MAX_ARRAY_SIZE
+
+
+def max_array_size(*, timeout: float = QUERY_TIMEOUT_S) -> int:
+    """How many elements one Slurm array may have."""
+    hint = f"run submit where Slurm is set up; {CONTROLLER_HINT}"
+    ran = _query(["scontrol", "show", "config"], timeout=timeout, hint=hint)
+    if not ran.ok:
+        raise _failed(ran, hint)
+    return parse_max_array_size(ran.stdout)
+
+
+# --- what `harbor-hpc doctor` asks ---------------------------------------------------------
+
+
+def missing_commands() -> list[str]:
+    return [command for command in COMMANDS if shutil.which(command) is None]
+
+
+def version(*, timeout: float = QUERY_TIMEOUT_S) -> str:
+    """`sbatch --version` ("slurm 22.05.8"), or "" when it does not say."""
+    ran = run(["sbatch", "--version"], timeout=timeout)
+    return ran.stdout.strip() if ran.ok else ""
+
+
+@dataclass(frozen=True)
+class Ping:
+    """What `scontrol ping` said: one line per controller, and all of it for a diagnosis."""
+
+    controllers: list[str]
+    output: str
+    why: str
+
+    @property
+    def up(self) -> bool:
+        """A backup controller may be down; one that is up is enough."""
+        return any(line.endswith(" is UP") for line in self.controllers)
+
+
+def parse_ping(text: str) -> list[str]:
+    """The controller lines of `scontrol ping` ("Slurmctld(primary) at HOST is UP")."""
+    return [line.strip() for line in text.splitlines() if "Slurmctld" in line]
+
+
+def ping(*, timeout: float = QUERY_TIMEOUT_S) -> Ping:
+    ran = run(["scontrol", "ping"], timeout=timeout)
+    return Ping(parse_ping(ran.stdout), ran.stdout + ran.stderr, ran.why())
+
+
+@dataclass(frozen=True)
+class Partitions:
+    """Each partition's node states (all `down` when the partition itself is not up)."""
+
+    states: dict[str, set[str]]
+
+    @property
+    def usable(self) -> list[str]:
+        """The partitions with a node that runs jobs, or that Slurm wakes to run them."""
+        return sorted(
+            name
+            for name, node_states in self.states.items()
+            if any(state.rstrip(_WAKING_SUFFIXES) in _USABLE_STATES for state in node_states)
+        )
+
+    @property
+    def summary(self) -> str:
+        """`debug* (idle), gpu (drained/idle~)`."""
+        return ", ".join(
+            f"{name} ({'/'.join(sorted(states))})" for name, states in sorted(self.states.items())
+        )
+
+
+def parse_partitions(text: str) -> Partitions:
+    """`sinfo --noheader --format="%P %a %D %T"` output: one line per partition and state."""
+    states: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 4:
+            name, availability, _nodes, state = fields
+            states.setdefault(name, set()).add(state if availability == "up" else "down")
+    return Partitions(states)
+
+
+def partitions(*, timeout: float = QUERY_TIMEOUT_S) -> Partitions:
+    hint = "check `sinfo` by hand; the controller answers but lists nothing"
+    ran = _query(["sinfo", "--noheader", "--format=%P %a %D %T"], timeout=timeout, hint=hint)
+    if not ran.ok:
+        raise _failed(ran, hint)
+    return parse_partitions(ran.stdout)
+
+
+# --- sbatch, through submitit ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """What each element of an array asks for; None leaves the cluster's default."""
+
+    name: str
+    time_min: int
+    mem_mb: int
+    cpus: int
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    array_parallelism: int | None = None
+    # Further sbatch options, as submitit takes them (`constraint="a100"`, `exclusive=True`).
+    sbatch: dict[str, Any] = field(default_factory=dict)
+
+
+class _BoundedSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's Slurm executor with sbatch under coreutils' `timeout`: submitit itself waits
+    for sbatch without a limit."""
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        sbatch = super()._make_submission_command(submission_file_path)
+        return ["timeout", "--kill-after=5", f"{SBATCH_TIMEOUT_S:g}", *sbatch]
+
+
+def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Executor:
+    """The submitit executor for `request`: Slurm array jobs, or local processes (which take
+    only the time limit: there is no scheduler to ask for memory or CPUs)."""
+    if where is Executor.LOCAL:
+        local = submitit.LocalExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
+        local.update_parameters(timeout_min=request.time_min)
+        return local
+    slurm = _BoundedSlurmExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
+    parameters: dict[str, Any] = {
+        "job_name": request.name,
+        "time": request.time_min,
+        "mem": f"{request.mem_mb}M",
+        "cpus_per_task": request.cpus,
+        "additional_parameters": dict(request.sbatch),
+    }
+    optional = {
+        "partition": request.partition,
+        "account": request.account,
+        "qos": request.qos,
+        "array_parallelism": request.array_parallelism,
+    }
+    parameters.update({key: value for key, value in optional.items() if value})
+    slurm.update_parameters(**parameters)
+    return slurm
+
+
+def submit_array(
+    pool: submitit.Executor,
+    function: Callable[..., Any],
+    *arguments: list[Any],
+    what: str,
+    hint: str,
+) -> list[submitit.Job[Any]]:
+    """Queue `function` over `arguments` as one array job; a refusal by sbatch (or an sbatch
+    that does not answer) is a `SlurmError` naming `what`."""
+    try:
+        return pool.map_array(function, *arguments)
+    except (FailedJobError, FailedSubmissionError) as exc:
+        raise SlurmError(f"Slurm refused {what}: {_refusal(exc)}", hint=hint) from None
+
+
+def _refusal(exc: Exception) -> str:
+    """sbatch's own words on one line; `timeout` exits 124 (137 once killed) and says nothing."""
+    cause = exc.__cause__
+    if getattr(cause, "returncode", None) in (124, 137):
+        return f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s"
+    return " ".join(str(exc).split()) or type(exc).__name__

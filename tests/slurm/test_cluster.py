@@ -1,0 +1,119 @@
+"""The Slurm layer without Slurm: parsers on recorded output, and every call bounded and named
+when the commands (tests/support/fake_slurm/) fail, hang or are missing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.slurm import cluster
+from harbor_hpc.slurm.cluster import Executor, NodeLimits, SlurmError
+from tests.support.fake_slurm import RECORDED, FakeSlurm
+
+# `squeue -h -r -o %i -j 275` of a held array `--array=0-5%2` on Slurm 22.05 prints each element;
+# without -r, or for elements not yet split off on other versions, the range itself.
+SQUEUE_ELEMENTS = "275_0\n275_1\n275_2\n275_3\n275_4\n275_5\n"
+
+
+def test_array_ranges_expand() -> None:
+    assert cluster.expand_array("12_[0-2,5%2]") == ["12_0", "12_1", "12_2", "12_5"]
+    assert cluster.expand_array("12_3") == ["12_3"]
+    assert cluster.expand_array("12") == ["12"]
+    assert cluster.parse_squeue_ids(SQUEUE_ELEMENTS) == {f"275_{i}" for i in range(6)}
+    assert cluster.parse_squeue_ids("275_[0-5%2]\n280\n") == {f"275_{i}" for i in range(6)} | {
+        "280"
+    }
+
+
+def test_what_sinfo_and_scontrol_say_is_read() -> None:
+    assert cluster.parse_node_limits("2 21694\n") == NodeLimits(cpus=2, mem_mb=21694)
+    # Several node kinds: the biggest by memory; "+" marks the smallest of a range.
+    assert cluster.parse_node_limits("64 256000+\n128+ 512000\nN/A N/A\n") == NodeLimits(
+        128, 512000
+    )
+    assert cluster.parse_node_limits("") is None
+    config = (RECORDED / "scontrol-show-config.txt").read_text()
+    assert cluster.parse_max_array_size(config) == 10001
+    assert cluster.parse_max_array_size("nothing") == cluster.DEFAULT_MAX_ARRAY_SIZE
+
+
+def test_ping_and_partitions_are_read() -> None:
+    up = cluster.parse_ping("Slurmctld(primary) at vm is UP\n")
+    assert up == ["Slurmctld(primary) at vm is UP"]
+    down = "Slurmctld(primary) at a is DOWN\nSlurmctld(backup) at b is UP\n"
+    assert cluster.Ping(cluster.parse_ping(down), down, "").up  # a backup answers
+    assert not cluster.Ping(cluster.parse_ping("Slurmctld(primary) at a is DOWN"), "", "").up
+    partitions = cluster.parse_partitions("debug* up 1 idle\ngpu up 4 idle~\ncpu down 2 idle\n")
+    assert partitions.usable == ["debug*", "gpu"]
+    assert partitions.summary == "cpu (down), debug* (idle), gpu (idle~)"
+    assert cluster.parse_partitions("debug* up 1 unknown*\n").usable == []
+
+
+def test_queued_jobs_asks_squeue_once(fake_slurm: FakeSlurm) -> None:
+    fake_slurm.answer("squeue", "275_[2-3]\n275_1\n")
+    assert cluster.queued_jobs(["275", "280"]) == {"275_1", "275_2", "275_3"}
+    assert fake_slurm.calls("squeue") == [["-h", "-r", "-o", "%i", "-j", "275,280"]]
+    assert cluster.queued_jobs([]) == set()
+    assert len(fake_slurm.calls("squeue")) == 1  # nothing to ask: no call
+
+
+def test_a_purged_lone_job_is_gone_and_a_failure_is_named(fake_slurm: FakeSlurm) -> None:
+    fake_slurm.answer(
+        "squeue", stderr="slurm_load_jobs error: Invalid job id specified\n", returncode=1
+    )
+    assert cluster.queued_jobs(["999999"]) == set()
+    fake_slurm.answer(
+        "squeue",
+        stderr="slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n",
+        returncode=1,
+    )
+    with pytest.raises(SlurmError) as failed:
+        cluster.queued_jobs(["275"])
+    assert failed.value.message == (
+        "`squeue -h -r -o %i -j 275` failed: "
+        "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
+    )
+    assert failed.value.hint and "scontrol ping" in failed.value.hint
+
+
+def test_a_hung_command_is_cut_short(fake_slurm: FakeSlurm) -> None:
+    fake_slurm.answer("squeue", hang_s=30)
+    fake_slurm.answer("sinfo", hang_s=30)
+    started = time.monotonic()
+    with pytest.raises(SlurmError, match=r"squeue.* did not answer within 0\.5 s"):
+        cluster.queued_jobs(["275"], timeout=0.5)
+    with pytest.raises(SlurmError, match=r"sinfo.* did not answer within 0\.5 s"):
+        cluster.partition_limits("debug", timeout=0.5)
+    assert time.monotonic() - started < 5
+
+
+def test_a_missing_command_says_where_to_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SlurmError, match="squeue is not on PATH"):
+        cluster.queued_jobs(["275"])
+    with pytest.raises(SlurmError, match="scontrol is not on PATH"):
+        cluster.max_array_size()
+    assert cluster.missing_commands() == list(cluster.COMMANDS)
+    assert cluster.choose_executor("auto") is Executor.LOCAL
+    with pytest.raises(SlurmError, match="--executor slurm, but sbatch is not on PATH"):
+        cluster.choose_executor("slurm")
+
+
+def test_the_executor_is_chosen_by_name(fake_slurm: FakeSlurm) -> None:
+    assert cluster.choose_executor("auto") is Executor.SLURM  # sbatch is on PATH
+    assert cluster.choose_executor("local") is Executor.LOCAL
+    with pytest.raises(InputError, match="--executor 'pbs' is not one of auto, slurm, local"):
+        cluster.choose_executor("pbs")
+
+
+def test_limits_and_array_size_come_from_the_cluster(fake_slurm: FakeSlurm) -> None:
+    fake_slurm.answer("sinfo", "2 21694\n")
+    fake_slurm.answer("scontrol", (RECORDED / "scontrol-show-config.txt").read_text())
+    assert cluster.partition_limits("debug") == NodeLimits(2, 21694)
+    assert fake_slurm.calls("sinfo") == [["-h", "-o", "%c", "%m", "-p", "debug"]]
+    assert cluster.max_array_size() == 10001

@@ -1,0 +1,144 @@
+"""submit, status and resubmit against Slurm commands that answer what the test says: what is
+asked of sbatch, how a refusal reads, and each attempt's state as jobs live and leave."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harbor_hpc.results.record import (
+    Chunk,
+    RunPaths,
+    Submission,
+    load_run,
+    update_run,
+    write_marker,
+)
+from harbor_hpc.slurm.cluster import SlurmError
+from harbor_hpc.slurm.runs import live_jobs, run_status
+from harbor_hpc.slurm.submit import SubmitOptions, resubmit_run, submit_run
+from tests.results.test_status import marker, record_with
+from tests.support.fake_slurm import FakeSlurm
+from tests.support.sample_tasks import make_task
+
+TASKS = ("a", "b", "c")
+
+
+@pytest.fixture
+def tasks(tmp_path: Path) -> Path:
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    for name in TASKS:
+        make_task(tmp_path / "tasks", name, image=str(sif), agent_timeout_sec=60)
+    return tmp_path / "tasks"
+
+
+def options(concurrency: int = 1) -> SubmitOptions:
+    return SubmitOptions(
+        agent="oracle", executor="slurm", partition="debug", concurrency=concurrency
+    )
+
+
+def by_task(run_dir: Path) -> dict[str, tuple[str, str | None]]:
+    return {s.task: (s.state, s.failure) for s in run_status(run_dir).attempts}
+
+
+def test_a_refused_submission_is_one_line_and_leaves_no_run(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
+) -> None:
+    fake_slurm.answer(
+        "sbatch",
+        stderr="sbatch: error: invalid partition specified: debug\n"
+        "sbatch: error: Batch job submission failed: Invalid partition name specified\n",
+        returncode=1,
+    )
+    run_dir = tmp_path / "run"
+    with pytest.raises(SlurmError) as refused:
+        submit_run(tasks, run_dir, options())
+    assert refused.value.message == (
+        "Slurm refused the run's array job: sbatch: error: invalid partition specified: debug "
+        "sbatch: error: Batch job submission failed: Invalid partition name specified"
+    )
+    assert not RunPaths(run_dir).record.exists()  # nothing ran: the same submit can run again
+
+
+def test_status_follows_the_jobs_squeue_knows(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
+) -> None:
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer("sinfo", "2 4000\n")
+    run_dir = tmp_path / "run"
+    submitted = submit_run(tasks, run_dir, options(concurrency=2))
+    assert submitted.job_ids == ["4242"]
+    [[script]] = fake_slurm.calls("sbatch")
+    sbatch = Path(script).read_text()
+    for line in ("--array=0-2", "--partition=debug", "--cpus-per-task=1", "--job-name=harbor"):
+        assert f"#SBATCH {line}" in sbatch
+    assert "#SBATCH --mem=1536M" in sbatch  # one 512 MB trial and the worker's 1024
+    jobs = {chunk.units[0].task: chunk.job for chunk in load_run(run_dir).submissions[0].chunks}
+    assert jobs == {"a": "4242_0", "b": "4242_1", "c": "4242_2"}
+
+    fake_slurm.answer("squeue", "4242_[1-2]\n")  # a's element has ended, before its trial
+    assert by_task(run_dir) == {
+        "a": ("failed", "infrastructure"),
+        "b": ("pending", None),
+        "c": ("pending", None),
+    }
+    write_marker(run_dir, marker("b-1", "b", "4242_1"))
+    assert by_task(run_dir)["b"] == ("running", None)
+    fake_slurm.answer("squeue", "4242_2\n")  # b's element died with its trial
+    assert by_task(run_dir)["b"] == ("failed", "infrastructure")
+
+    fake_slurm.answer("sbatch", "Submitted batch job 4300\n")
+    again = resubmit_run(run_dir)
+    assert sorted(unit.task for unit in again.units) == ["a", "b"]
+    assert [status.task for status in again.skipped] == ["c"]  # still queued: left alone
+    fake_slurm.answer("squeue", "4242_2\n4300_[0-1]\n")
+    assert by_task(run_dir) == {
+        "a": ("pending", None),
+        "b": ("pending", None),
+        "c": ("pending", None),
+    }
+
+
+def test_status_stops_at_a_controller_that_does_not_answer(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
+) -> None:
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    run_dir = tmp_path / "run"
+    submit_run(tasks, run_dir, options())
+    fake_slurm.answer(
+        "squeue", stderr="slurm_load_jobs error: Socket timed out on send/recv\n", returncode=1
+    )
+    with pytest.raises(SlurmError, match=r"`squeue .*` failed: .*Socket timed out"):
+        run_status(run_dir)
+
+
+@pytest.fixture
+def processes() -> Iterator[tuple[int, int]]:
+    """A live process and a finished one, for local jobs."""
+    live = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    yield live.pid, dead.pid
+    live.kill()
+    live.wait()
+
+
+def test_a_local_job_lives_as_long_as_its_process(
+    tmp_path: Path, processes: tuple[int, int]
+) -> None:
+    run_dir = record_with(tmp_path, ["a"])
+    live, dead = (str(pid) for pid in processes)
+    with update_run(run_dir) as record:
+        record.submissions = [
+            Submission(1, "local", socket.gethostname(), "t", {}, [Chunk([], live)]),
+            Submission(2, "local", socket.gethostname(), "t", {}, [Chunk([], dead)]),
+            Submission(3, "local", "another-host", "t", {}, [Chunk([], "1")]),
+        ]
+    # From another host a local job's fate cannot be seen: it counts as alive.
+    assert live_jobs(load_run(run_dir)) == {live, "1"}

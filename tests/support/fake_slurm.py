@@ -1,0 +1,47 @@
+"""Slurm commands that answer what a test says, for testing Slurm logic without Slurm.
+
+`tests/support/fake_slurm/` holds one script linked as sbatch, squeue, sinfo and scontrol; the
+`fake_slurm` fixture (tests/conftest.py) puts that folder first on PATH and points the script at
+a folder of answers that `FakeSlurm.answer` writes. Outputs worth keeping verbatim, recorded
+from the CI's real Slurm 22.05, are in `recorded/`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+BIN = Path(__file__).with_name("fake_slurm")
+RECORDED = BIN / "recorded"
+
+
+@dataclass(frozen=True)
+class FakeSlurm:
+    state: Path
+
+    def answer(
+        self,
+        command: str,
+        stdout: str = "",
+        *,
+        stderr: str = "",
+        returncode: int = 0,
+        hang_s: float | None = None,
+    ) -> None:
+        """What `command` prints and exits with from now on; with `hang_s`, it only sleeps."""
+        self.state.mkdir(parents=True, exist_ok=True)
+        answers = {"out": stdout, "err": stderr, "rc": str(returncode)}
+        if hang_s is not None:
+            answers["hang"] = f"{hang_s:g}"
+        for kind in ("out", "err", "rc", "hang"):
+            path = self.state / f"{command}.{kind}"
+            if kind in answers:
+                path.write_text(answers[kind])
+            else:
+                path.unlink(missing_ok=True)
+
+    def calls(self, command: str) -> list[list[str]]:
+        """The arguments of every call of `command` so far, oldest first."""
+        log = self.state / "calls.log"
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return [line.split()[1:] for line in lines if line.split()[0] == command]
