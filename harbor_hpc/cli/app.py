@@ -132,7 +132,7 @@ def verbosity() -> int:
     return _verbosity
 
 
-def print_json(data: Any) -> None:
+def _print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
 
 
@@ -147,7 +147,7 @@ def render[R: JsonResult](result: R, *, json: bool, show: Callable[[R], None]) -
     prints it for people. One object behind both, so scripts and people never see different
     results; warnings and errors go to stderr (`warn`, `console`) before or after."""
     if json:
-        print_json(result.to_json())
+        _print_json(result.to_json())
     else:
         show(result)
 

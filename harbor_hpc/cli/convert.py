@@ -21,8 +21,8 @@ from harbor_hpc.cli.app import (
     console,
     info,
     manifest_path,
-    print_json,
     progress,
+    render,
     setup,
     stdout,
 )
@@ -126,15 +126,12 @@ def convert(
             on_done=lambda c: bar.update(task, advance=1, current=c.image),
             on_submitted=submitted,
         )
-    _report(report, json=json)
+    render(report, json=json, show=_show)
     if report.failed:
         raise typer.Exit(1)
 
 
-def _report(report: ConvertReport, *, json: bool) -> None:
-    if json:
-        print_json(report.to_json())
-        return
+def _show(report: ConvertReport) -> None:
     for conversion in report.images:
         if conversion.state is ConversionState.FAILED:
             console.print(

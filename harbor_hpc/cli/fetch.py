@@ -16,8 +16,8 @@ from harbor_hpc.cli.app import (
     VerboseOption,
     app,
     console,
-    print_json,
     progress,
+    render,
     setup,
     stdout,
 )
@@ -74,7 +74,8 @@ def fetch_command(
     setup(verbose)
     patterns = include or []
     if dry_run:
-        _show_plan(plan_fetch(repo_id, dest, include=patterns, revision=revision), json=json)
+        plan = plan_fetch(repo_id, dest, include=patterns, revision=revision)
+        render(plan, json=json, show=_show_plan)
         return
     # huggingface_hub draws its own download bars; ours appears once unpacking starts, so the
     # two never fight over the terminal.
@@ -92,15 +93,13 @@ def fetch_command(
         report = fetch(repo_id, dest, include=patterns, revision=revision, on_archive=on_archive)
     finally:
         bar.stop()
-    _show_report(report, json=json)
+    _show_failures(report)  # on stderr, with --json too
+    render(report, json=json, show=_show_report)
     if report.failed:
         raise typer.Exit(1)
 
 
-def _show_plan(plan: FetchPlan, *, json: bool) -> None:
-    if json:
-        print_json(plan.to_json())
-        return
+def _show_plan(plan: FetchPlan) -> None:
     for step in plan.steps:
         where = "cached" if step.cached else decimal(step.size or 0)
         stdout.print(f"{escape(step.path)} ({where}): {escape(step.action)}", highlight=False)
@@ -109,7 +108,7 @@ def _show_plan(plan: FetchPlan, *, json: bool) -> None:
     )
 
 
-def _show_report(report: FetchReport, *, json: bool) -> None:
+def _show_failures(report: FetchReport) -> None:
     # escape(): member and file names come from strangers and may look like rich markup.
     for failure in report.failed:
         console.print(f"[red bold]error:[/] {escape(failure.message)}", highlight=False)
@@ -117,9 +116,9 @@ def _show_report(report: FetchReport, *, json: bool) -> None:
             console.print(f"  [dim]hint:[/] {escape(failure.hint)}", highlight=False)
     for problem in report.task_problems:
         console.print(f"[yellow]warning:[/] {escape(problem)}", highlight=False)
-    if json:
-        print_json(report.to_json())
-        return
+
+
+def _show_report(report: FetchReport) -> None:
     table = Table(title=f"tasks under {escape(str(report.dest))}")
     table.add_column("folder")
     table.add_column("tasks", justify="right")

@@ -18,8 +18,8 @@ from harbor_hpc.cli.app import (
     app,
     info,
     manifest_path,
-    print_json,
     progress,
+    render,
     setup,
     stdout,
     warn,
@@ -27,7 +27,7 @@ from harbor_hpc.cli.app import (
 from harbor_hpc.core.config import Config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.images.build import (
-    BuildPlan,
+    BuildPreview,
     BuildResult,
     ImageOutcome,
     PlannedImage,
@@ -37,7 +37,7 @@ from harbor_hpc.images.build import (
 )
 from harbor_hpc.images.setup_sh import SetupResult, write_setup_scripts
 from harbor_hpc.tasks.discovery import TaskProblem
-from harbor_hpc.tasks.manifest import Manifest, load_manifest
+from harbor_hpc.tasks.manifest import load_manifest
 from harbor_hpc.tasks.rewrite import RewriteResult, rewrite_tasks
 
 TasksArgument = Annotated[
@@ -115,7 +115,7 @@ def build(
     _warn_compose(plan.compose)  # on stderr: --json output stays clean
     if dry_run:
         recorded = load_manifest(manifest_file) if manifest_file.exists() else None
-        _show_plan(plan, recorded, json_output)
+        render(BuildPreview(plan, recorded), json=json_output, show=_show_plan)
         return
     with progress() as bar:
         overall = bar.add_task("images", total=len(plan.images), current="")
@@ -135,7 +135,7 @@ def build(
             on_progress=on_progress,
             on_done=on_done,
         )
-    _show_build(result, json_output)
+    render(result, json=json_output, show=_show_build)
     if result.failed_tasks or result.problems:
         names = ", ".join(result.failed_tasks[:_LISTED])
         more = len(result.failed_tasks) - _LISTED
@@ -165,15 +165,13 @@ def _show_problems(problems: list[TaskProblem]) -> None:
         warn(f"... and {len(problems) - _LISTED} more")
 
 
-def _show_plan(plan: BuildPlan, recorded: Manifest | None, json_output: bool) -> None:
-    if json_output:
-        print_json(plan.to_json(recorded))
-        return
+def _show_plan(preview: BuildPreview) -> None:
+    plan = preview.plan
     table = Table(title=f"{plan.task_count} tasks, {len(plan.images)} distinct build contexts")
     for column in ("image", "tasks", "example task", "status"):
         table.add_column(column)
     for key, image in plan.images.items():
-        status = plan.status(key, recorded)
+        status = plan.status(key, preview.recorded)
         table.add_row(image.tagged, _uses(image), escape(image.users[0]), status)
     stdout.print(table)
     _warn_task_errors(plan.task_errors, plan.verifier_errors)
@@ -193,10 +191,7 @@ def _warn_task_errors(task_errors: dict[str, str], verifier_errors: dict[str, st
         warn(f"{task}: verifier image: {error}")
 
 
-def _show_build(result: BuildResult, json_output: bool) -> None:
-    if json_output:
-        print_json(result.to_json())
-        return
+def _show_build(result: BuildResult) -> None:
     table = Table(title=f"images -> {result.manifest}")
     for column in ("image", "tasks", "result"):
         table.add_column(column)
@@ -238,7 +233,7 @@ def rewrite(
     setup(verbose)
     manifest_file = manifest_path(manifest)
     result = rewrite_tasks(tasks_dir, manifest_file, sif=sif, dry_run=dry_run)
-    _show_rewrite(result, json_output)
+    render(result, json=json_output, show=_show_rewrite)
     if not result.ok:
         raise HarborHpcError(
             f"{len(result.skipped)} task(s) left untouched, {len(result.problems)} not readable",
@@ -246,10 +241,7 @@ def rewrite(
         )
 
 
-def _show_rewrite(result: RewriteResult, json_output: bool) -> None:
-    if json_output:
-        print_json(result.to_json())
-        return
+def _show_rewrite(result: RewriteResult) -> None:
     for task in result.changed if result.dry_run else []:
         stdout.print(result.diffs[task], end="", highlight=False, markup=False)
     verb = "would change" if result.dry_run else "changed"
@@ -308,7 +300,7 @@ def setup_sh(
         build_args=_build_args(config, build_arg),
         dry_run=dry_run,
     )
-    _show_setup(result, json_output)
+    render(result, json=json_output, show=_show_setup)
     if result.problems:
         raise HarborHpcError(
             f"{len(result.problems)} task(s) got no setup.sh",
@@ -316,10 +308,7 @@ def setup_sh(
         )
 
 
-def _show_setup(result: SetupResult, json_output: bool) -> None:
-    if json_output:
-        print_json(result.to_json())
-        return
+def _show_setup(result: SetupResult) -> None:
     verb = "would write" if result.dry_run else "wrote"
     info(f"{verb} setup.sh in {len(result.written)} task(s); kept {len(result.kept)} existing")
     if result.kept:

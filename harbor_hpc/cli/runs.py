@@ -27,13 +27,13 @@ from harbor_hpc.cli.app import (
     app,
     console,
     info,
-    print_json,
+    render,
     setup,
     stdout,
     warn,
 )
 from harbor_hpc.results.classify import AttemptState
-from harbor_hpc.results.export import export_run
+from harbor_hpc.results.export import Export, export_run
 from harbor_hpc.results.status import RunStatus, Summary
 from harbor_hpc.slurm.runs import follow, run_status
 from harbor_hpc.slurm.submit import (
@@ -200,7 +200,8 @@ def submit(
     default_root = Path(config.pick("run_dir", None, "runs"))
     target = run_dir or default_root / time.strftime("%Y%m%d-%H%M%S")
     result = submit_run(tasks_dir, target, options, dry_run=dry_run)
-    _report_submission(result, json=json, dry_run=dry_run)
+    _warn_image_problems(result)
+    render(result, json=json, show=_show_submission)
     if wait and not dry_run:
         _follow(result.run_dir)
 
@@ -216,10 +217,7 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
     """
     setup(verbose)
     found = run_status(run_dir)
-    if json:
-        print_json(found.to_json())
-        return
-    _show_status(found, verbose=verbose > 0)
+    render(found, json=json, show=lambda shown: _show_status(shown, verbose=verbose > 0))
 
 
 @app.command()
@@ -243,7 +241,8 @@ def resubmit(
     result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
     if result.skipped:
         warn(f"{len(result.skipped)} attempt(s) still pending or running; left alone")
-    _report_submission(result, json=json, dry_run=dry_run)
+    _warn_image_problems(result)
+    render(result, json=json, show=_show_submission)
     if wait and not dry_run and result.job_ids:
         _follow(result.run_dir)
 
@@ -262,27 +261,28 @@ def export(
     reports them). The file is replaced atomically.
     """
     setup(verbose)
-    written = export_run(run_dir, out, dry_run=dry_run)
-    if json:
-        print_json(written.to_json())
-    else:
-        verb = "would write" if written.dry_run else "wrote"
-        info(f"{verb} {written.rollouts} rollout(s) to {written.out}")
+    render(export_run(run_dir, out, dry_run=dry_run), json=json, show=_show_export)
 
 
-def _report_submission(result: SubmitResult, *, json: bool, dry_run: bool) -> None:
+def _show_export(written: Export) -> None:
+    verb = "would write" if written.dry_run else "wrote"
+    info(f"{verb} {written.rollouts} rollout(s) to {written.out}")
+
+
+def _warn_image_problems(result: SubmitResult) -> None:
+    """On stderr before the result, with --json too."""
     for task, problem in sorted(result.image_problems.items()):
         warn(f"not submitted, image missing: {task}: {problem}")
-    if json:
-        print_json({**result.to_json(), "dry_run": dry_run})
-        return
+
+
+def _show_submission(result: SubmitResult) -> None:
     if not result.units:
         info("nothing to submit")
         return
     res = result.resources
     sizing = f" ({res.cpus} cpus, {res.mem_mb} MB, {res.time_min} min each)" if res else ""
     what = f"{len(result.units)} trial(s) in {len(result.chunks)} element(s){sizing}"
-    if dry_run:
+    if result.dry_run:
         info(f"would submit {what} with the {result.executor} executor to {result.run_dir}")
         return
     info(f"submitted {what}: {result.executor} job(s) {', '.join(result.job_ids)}")

@@ -160,6 +160,18 @@ class BuildPlan:
         }
 
 
+@dataclass(frozen=True)
+class BuildPreview:
+    """What `build --dry-run` shows: the plan, each image's status read from the manifest of
+    earlier runs (None when there is none yet)."""
+
+    plan: BuildPlan
+    recorded: Manifest | None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.plan.to_json(self.recorded)
+
+
 def image_name(context: str) -> tuple[str, str]:
     """Repository name and tag for a context hash: stable, derived from the content alone."""
     return f"env-{context[:12]}", context

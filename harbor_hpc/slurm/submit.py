@@ -100,6 +100,8 @@ class SubmitResult:
     image_problems: dict[str, str]
     skipped: list[AttemptStatus] = field(default_factory=list)
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Only planned: nothing was queued or recorded.
+    dry_run: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -112,6 +114,7 @@ class SubmitResult:
             "resources": self.resources.to_json() if self.resources else None,
             "image_problems": self.image_problems,
             "environment_kwargs": self.environment_kwargs,
+            "dry_run": self.dry_run,
         }
 
 
@@ -343,7 +346,9 @@ def _launch(
         if chunks
         else None
     )
-    result = SubmitResult(run_dir, executor, None, [], runnable, chunks, resources, problems)
+    result = SubmitResult(
+        run_dir, executor, None, [], runnable, chunks, resources, problems, dry_run=dry_run
+    )
     result.environment_kwargs = record.environment_kwargs
     if dry_run:
         return result
