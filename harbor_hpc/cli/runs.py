@@ -158,6 +158,13 @@ def submit(
         list[str] | None,
         typer.Option("--sbatch-arg", help="Extra sbatch option, e.g. constraint=a100; repeatable."),
     ] = None,
+    group_readable: Annotated[
+        bool,
+        typer.Option(
+            "--group-readable",
+            help="Let your group read the run folder (never write it). \\[default: only you]",
+        ),
+    ] = False,
     wait: WaitOption = False,
     json: JsonOption = False,
     dry_run: DryRunOption = False,
@@ -196,6 +203,7 @@ def submit(
         mem_mb=mem_mb,
         cpus=cpus,
         sbatch_args=sbatch_arg or [],
+        group_readable=group_readable,
     )
     default_root = Path(config.pick("run_dir", None, "runs"))
     target = run_dir or default_root / time.strftime("%Y%m%d-%H%M%S")

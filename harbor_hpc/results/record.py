@@ -12,6 +12,11 @@ The unit of work is a task attempt: `--attempts A` runs every task A times (for 
 rollouts), attempt numbers 0..A-1. A trial folder is never reused: a rerun of an attempt (after a
 requeue, a dead job or `resubmit`) gets a new trial name, so no finished trial is overwritten.
 
+A run folder is its owner's alone (0700): its trials hold rewards that train models, and agent
+logs that may quote what the agent was given. With `--group-readable` the owner's group may read
+it (0750), never write; nobody else may even list it. Harbor makes trial folders world-writable
+(0777) for Docker's sake: workers run under a matching umask and seal each trial when it ends.
+
 `run.json` is shared between the submitting process and `resubmit` runs, so every change goes
 through `update_run` (lock, re-read, change, atomic write). Markers have one writer each.
 """
@@ -19,7 +24,9 @@ through `update_run` (lock, re-read, change, atomic write). Markers have one wri
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
+import stat
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -99,6 +106,10 @@ class RunRecord:
     submissions: list[Submission] = field(default_factory=list)
     created_at: str = ""
     updated_at: str = ""
+
+    @property
+    def group_readable(self) -> bool:
+        return bool(self.options.get("group_readable", False))
 
     @property
     def attempts(self) -> int:
@@ -200,6 +211,11 @@ class RunPaths:
         return self.root / f".{RUN_FILE}.lock"
 
     @property
+    def submit_lock(self) -> Path:
+        """Held by a submit or resubmit from planning to the last queued job."""
+        return self.root / ".submit.lock"
+
+    @property
     def trials(self) -> Path:
         return self.root / "trials"
 
@@ -242,8 +258,39 @@ def update_run(run_dir: Path) -> Iterator[RunRecord]:
         save_run(run_dir, record)
 
 
+def run_umask(group_readable: bool) -> int:
+    """What files made in a run may not allow: anything for others, and writing for the group."""
+    return 0o027 if group_readable else 0o077
+
+
+def make_private(run_dir: Path, group_readable: bool) -> None:
+    """Create `run_dir` if needed and let only its owner (and with `group_readable` the owner's
+    group, to read) in."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir, 0o777 & ~run_umask(group_readable))
+    except OSError as exc:
+        raise InputError(
+            f"{run_dir}: cannot make it a private run folder ({exc.strerror})",
+            hint="pick a --run-dir you own, in a folder you can write",
+        ) from None
+
+
+def seal(folder: Path, group_readable: bool) -> None:
+    """Take from everything under `folder` the permissions a run's files may not have (Harbor
+    makes trial folders 0777). Files the user cannot change (a container's other users'
+    files, before their owner is restored) are left to the run folder's own mode."""
+    mask = run_umask(group_readable)
+    for path in [folder, *folder.rglob("*")]:
+        with contextlib.suppress(OSError):
+            mode = path.lstat().st_mode
+            if not stat.S_ISLNK(mode) and stat.S_IMODE(mode) & mask:
+                os.chmod(path, stat.S_IMODE(mode) & ~mask)
+
+
 def create_run(run_dir: Path, record: RunRecord) -> None:
-    """Write the first record of a new run; refuses a folder that already holds a run."""
+    """Write the first record of a new run, in a private folder; refuses a folder that already
+    holds a run."""
     with file_lock(RunPaths(run_dir).lock):
         if RunPaths(run_dir).record.exists():
             raise InputError(

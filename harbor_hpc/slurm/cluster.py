@@ -32,6 +32,16 @@ QUERY_TIMEOUT_S = QUICK_TIMEOUT_S
 SBATCH_TIMEOUT_S = 60.0
 # How often submitit requeues an element that reached its time limit or was preempted.
 MAX_REQUEUES = 3
+# How long before its time limit an element is told to stop and requeue (submitit's USR2): long
+# enough to write down what ran, never more than a quarter of the limit, so that a short
+# `--time` still runs trials before the warning instead of requeueing at once, forever.
+REQUEUE_WARNING_S = 90
+
+
+def requeue_warning_s(time_min: int) -> int:
+    return max(1, min(REQUEUE_WARNING_S, time_min * 60 // 4))
+
+
 # Slurm's own default when the configuration does not say.
 DEFAULT_MAX_ARRAY_SIZE = 1001
 COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo")
@@ -300,7 +310,9 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
     only the time limit: there is no scheduler to ask for memory or CPUs)."""
     if where is Executor.LOCAL:
         local = submitit.LocalExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
-        local.update_parameters(timeout_min=request.time_min)
+        local.update_parameters(
+            timeout_min=request.time_min, signal_delay_s=requeue_warning_s(request.time_min)
+        )
         return local
     slurm = _BoundedSlurmExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
     parameters: dict[str, Any] = {
@@ -308,6 +320,7 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
         "time": request.time_min,
         "mem": f"{request.mem_mb}M",
         "cpus_per_task": request.cpus,
+        "signal_delay_s": requeue_warning_s(request.time_min),
         "additional_parameters": dict(request.sbatch),
     }
     optional = {

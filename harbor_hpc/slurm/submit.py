@@ -7,6 +7,7 @@ as Slurm hands them out. Tasks whose image is missing are recorded and not submi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -22,6 +23,7 @@ from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs,
 from harbor_hpc.apptainer.store import sif_file
 from harbor_hpc.core.config import chosen_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.files import LockTimeout, file_lock
 from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.record import (
     Chunk,
@@ -31,6 +33,7 @@ from harbor_hpc.results.record import (
     Unit,
     create_run,
     load_run,
+    make_private,
     now_iso,
     update_run,
 )
@@ -69,6 +72,8 @@ class SubmitOptions:
     mem_mb: int | None = None
     cpus: int | None = None
     sbatch_args: list[str] = field(default_factory=list)
+    # Let the owner's group read the run folder (never write it); others never see it.
+    group_readable: bool = False
 
     def to_json(self) -> dict[str, Any]:
         keys = (
@@ -84,6 +89,7 @@ class SubmitOptions:
             "mem_mb",
             "cpus",
             "sbatch_args",
+            "group_readable",
         )
         return {key: getattr(self, key) for key in keys}
 
@@ -269,18 +275,22 @@ def submit_run(
         environment_kwargs=environment_kwargs,
         options={**options.to_json(), "executor": str(executor)},
     )
-    if RunPaths(run_dir).record.exists():
-        # The same submit again continues the run: it queues only what has no finished trial.
-        differences = load_run(run_dir).differences(record)
-        if differences:
-            raise InputError(
-                f"{run_dir}: already holds a run with another {', '.join(differences)}",
-                hint="pick another --run-dir, or `harbor-hpc resubmit` to continue that run",
-            )
-        return resubmit_run(run_dir, dry_run=dry_run)
-    if not dry_run:
-        create_run(run_dir, record)
-    return _launch(run_dir, record, record.units(), discovery.by_rel(), dry_run=dry_run)
+    if not RunPaths(run_dir).record.exists() and not dry_run:
+        make_private(run_dir, record.group_readable)
+    with contextlib.nullcontext() if dry_run else only_writer(run_dir):
+        if RunPaths(run_dir).record.exists():
+            # The same submit again continues the run: it queues only what has no finished
+            # trial.
+            differences = load_run(run_dir).differences(record)
+            if differences:
+                raise InputError(
+                    f"{run_dir}: already holds a run with another {', '.join(differences)}",
+                    hint="pick another --run-dir, or `harbor-hpc resubmit` to continue that run",
+                )
+            return _resubmit(run_dir, failed=False, dry_run=dry_run)
+        if not dry_run:
+            create_run(run_dir, record)
+        return _launch(run_dir, record, record.units(), discovery.by_rel(), dry_run=dry_run)
 
 
 def resubmit_run(run_dir: Path, *, failed: bool = False, dry_run: bool = False) -> SubmitResult:
@@ -289,6 +299,29 @@ def resubmit_run(run_dir: Path, *, failed: bool = False, dry_run: bool = False) 
     Attempts still pending or running are left alone; done ones are never run again.
     """
     run_dir = run_dir.expanduser().absolute()
+    if dry_run:
+        return _resubmit(run_dir, failed=failed, dry_run=True)
+    load_run(run_dir)  # a folder without a run is named as such, before any lock file is made
+    with only_writer(run_dir):
+        return _resubmit(run_dir, failed=failed, dry_run=False)
+
+
+@contextlib.contextmanager
+def only_writer(run_dir: Path) -> Iterator[None]:
+    """Be the one submit or resubmit of `run_dir`, from planning to the last queued job: two at
+    once would each queue what the other queues."""
+    try:
+        with file_lock(RunPaths(run_dir).submit_lock, timeout=0):
+            yield
+    except LockTimeout as busy:
+        raise HarborHpcError(
+            f"{run_dir}: another submit or resubmit of this run is under way "
+            f"({busy.message.rpartition('locked by ')[2]})",
+            hint="wait for it to end, then run `harbor-hpc status` (or resubmit) on the run",
+        ) from None
+
+
+def _resubmit(run_dir: Path, *, failed: bool, dry_run: bool) -> SubmitResult:
     record = load_run(run_dir)
     statuses = attempt_statuses(run_dir, record, live_jobs(record))
     units = []

@@ -30,6 +30,8 @@ from harbor_hpc.results.record import (
     load_run,
     new_trial_name,
     read_markers,
+    run_umask,
+    seal,
     write_marker,
 )
 from harbor_hpc.results.status import latest_markers, read_outcome
@@ -61,6 +63,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
     def __call__(self, units: list[list[Any]]) -> dict[str, int]:
         run_dir = Path(self.run_dir)
         record = load_run(run_dir)
+        os.umask(run_umask(record.group_readable))  # for all Harbor writes in this job
         todo = self.units_left(run_dir, [Unit.from_json(u) for u in units])
         self._watch_termination()
         asyncio.run(self._run_all(run_dir, record, todo))
@@ -150,3 +153,5 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             marker.error_message = str(exc)
             marker.terminated_by = self.terminated_by  # maybe why it failed
             write_marker(run_dir, marker)
+        finally:
+            seal(paths.trial(marker.trial), record.group_readable)

@@ -105,6 +105,22 @@ def test_status_follows_the_jobs_squeue_knows(
     }
 
 
+@pytest.mark.parametrize(("time_min", "warning_s"), [(1, 15), (4, 60), (60, 90)])
+def test_the_requeue_warning_leaves_a_short_element_time_to_work(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path, time_min: int, warning_s: int
+) -> None:
+    # submitit's 90 s warning would reach a one-minute element at once: it would requeue
+    # before running anything, forever.
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    chosen = options()
+    chosen.time_min = time_min
+    submit_run(tasks, tmp_path / "run", chosen)
+    [[script]] = fake_slurm.calls("sbatch")
+    sbatch = Path(script).read_text()
+    assert f"#SBATCH --time={time_min}\n" in sbatch
+    assert f"#SBATCH --signal=USR2@{warning_s}\n" in sbatch
+
+
 def test_status_stops_at_a_controller_that_does_not_answer(
     fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
 ) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from harbor_hpc.results.record import RunPaths, load_run, read_markers
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import make_task
+from tests.support.users import other_user_command
 
 pytestmark = [pytest.mark.slurm, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -95,6 +98,55 @@ def test_rewards_and_failure_classes(suite_run: Path) -> None:
     assert len(record.submissions) == 1 and record.submissions[0].job_ids
     table = cli("status", str(suite_run)).stdout
     assert "mean reward 0.750" in table  # 3 solved of 4 that ran to a reward
+
+
+def not_allowed(mode: int, path: Path) -> int:
+    """The permission bits of `path` beyond `mode`."""
+    return stat.S_IMODE(path.lstat().st_mode) & ~mode
+
+
+@pytest.mark.other_user
+def test_a_run_is_its_owners_alone(suite_run: Path) -> None:
+    assert stat.S_IMODE(suite_run.stat().st_mode) == 0o700
+    trials = RunPaths(suite_run).trials
+    # Harbor makes trial folders 0777; the worker seals them.
+    assert [p for p in [trials, *trials.rglob("*")] if not_allowed(0o700, p)] == []
+    result = next(trials.glob("*/result.json"))
+    for argv in (
+        ["cat", str(RunPaths(suite_run).record)],
+        ["ls", str(trials)],
+        ["sh", "-c", f"echo 0 > {result}"],
+    ):
+        tried = subprocess.run(other_user_command(argv), capture_output=True, text=True)
+        assert tried.returncode != 0 and "Permission denied" in tried.stderr, argv
+
+
+def test_two_submits_at_once_queue_each_attempt_once(debian_sif: Path, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    for name in ("one", "two"):
+        make_task(tasks, name, image=str(debian_sif), agent_timeout_sec=30)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "harbor_hpc", "submit", str(tasks), "--agent", "oracle"]
+    argv += ["--run-dir", str(run_dir), "--executor", "slurm", "--group-readable"]
+    submits = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    for submit in submits:
+        _, err = submit.communicate(timeout=120)
+        # The one that finds the other at work says so; one that comes after it queues nothing.
+        assert submit.returncode == 0 or "another submit or resubmit" in err, err
+    record = load_run(run_dir)
+    queued = [unit for sub in record.submissions for chunk in sub.chunks for unit in chunk.units]
+    assert sorted(queued) == sorted(record.units())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and queued_jobs(record.submissions[0].job_ids):
+        time.sleep(1)
+    assert {s["state"] for s in cli_json("status", str(run_dir))} == {"done"}
+    # Readable by the group, writable by no one else.
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o750
+    trials = RunPaths(run_dir).trials
+    assert [p for p in [trials, *trials.rglob("*")] if not_allowed(0o750, p)] == []
 
 
 def test_export_writes_one_rollout_per_trial(suite_run: Path, tmp_path: Path) -> None:
