@@ -336,6 +336,23 @@ def _archive_name(archive: Path) -> str:
     return f"sha256-{digest.hexdigest()}"
 
 
+def unavailable(source: str, cache_dir: Path, *, nohttps: bool | None = None) -> str | None:
+    """Why no node could get `source` (a registry reference), or None when the store holds its
+    .sif or its registry has it (asked from here, with Apptainer's credentials): a node would
+    otherwise find out only after its job waited in the queue."""
+    try:
+        ref = Reference.parse(source)
+        if ref.digest is not None and is_ready(cache_dir / f"{_digest_name(ref.digest)}.sif"):
+            return None
+        registry = _apptainer_registry(
+            ref.host, plain_http=nohttps_default() if nohttps is None else nohttps
+        )
+        found = registry.manifest_digest(ref.repository, ref.digest or ref.tag or "latest")
+    except HarborHpcError as exc:
+        return exc.message
+    return None if found else f"{source}: no such image in {ref.host}"
+
+
 def resolve_digest(ref: Reference, *, nohttps: bool) -> str:
     """The digest a tag points at now, asked of the registry's v2 API with the credentials
     Apptainer will use (APPTAINER_DOCKER_USERNAME/PASSWORD, else the user's `docker login`)."""

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
+from types import FrameType
 
 from rich.markup import escape
 
 from harbor_hpc.cli import commands  # noqa: F401  (registers the subcommands on `app`)
 from harbor_hpc.cli.app import app, console, verbosity
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.proc import stop_all
 
 
 def main() -> None:
     """Run the CLI; user errors become one clear message and an exit code, never a traceback."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         app()
     except HarborHpcError as exc:
@@ -23,6 +27,7 @@ def main() -> None:
             console.print(f"[dim]hint:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
+        stop_all()
         console.print("[red]interrupted[/]")
         sys.exit(130)
     except Exception as exc:
@@ -34,3 +39,11 @@ def main() -> None:
             highlight=False,
         )
         sys.exit(1)
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (`kill`, `scancel`, a shutdown): end the tools under way, let each step clean
+    up after itself (temporary files, locks), and exit as a terminated process does."""
+    stop_all()
+    console.print("[red]terminated[/]")
+    sys.exit(128 + signum)

@@ -33,8 +33,9 @@ from harbor_hpc.cli.app import (
     warn,
 )
 from harbor_hpc.results.classify import AttemptState
-from harbor_hpc.results.export import Export, export_run
+from harbor_hpc.results.export import Export
 from harbor_hpc.results.status import RunStatus, Summary
+from harbor_hpc.slurm import runs
 from harbor_hpc.slurm.runs import follow, run_status
 from harbor_hpc.slurm.submit import (
     ENVIRONMENT,
@@ -70,6 +71,14 @@ def submit(
     agent_kwarg: Annotated[
         list[str] | None,
         typer.Option("--agent-kwarg", help="KEY=VALUE passed to the agent; repeatable."),
+    ] = None,
+    agent_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--agent-env",
+            help="NAME (from your environment) or NAME=VALUE, for the agent; repeatable. For "
+            "secrets: the value reaches the jobs' environment only, never a file.",
+        ),
     ] = None,
     run_dir: Annotated[
         Path | None,
@@ -186,6 +195,7 @@ def submit(
         agent=agent,
         model=model,
         agent_kwargs=parse_key_values(agent_kwarg or [], "--agent-kwarg"),
+        agent_env=agent_env or [],
         environment=environment,
         environment_kwargs=parse_key_values(environment_kwarg or [], "--environment-kwarg"),
         cache_dir=cache_dir,
@@ -269,7 +279,7 @@ def export(
     reports them). The file is replaced atomically.
     """
     setup(verbose)
-    render(export_run(run_dir, out, dry_run=dry_run), json=json, show=_show_export)
+    render(runs.export(run_dir, out, dry_run=dry_run), json=json, show=_show_export)
 
 
 def _show_export(written: Export) -> None:

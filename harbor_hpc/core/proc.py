@@ -3,6 +3,10 @@
 `run` never raises for a tool that is missing, hangs or fails: it returns a `Ran` that says so,
 and `Ran.why()` gives the one line a message or a table cell needs. Callers that must stop on a
 failure turn that line into a `HarborHpcError` naming what they were doing.
+
+`stop_all` ends every tool still running (and what each started), and lets no new one start: a
+command told to stop (SIGTERM from `scancel`, `kill`, a shutdown) leaves no `apptainer` or
+`mksquashfs` behind, and its threads go through their own clean-up (temporary files) at once.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +25,11 @@ log = logging.getLogger(__name__)
 
 # Long enough for a busy login node; short enough that a hung tool never hangs a command.
 QUICK_TIMEOUT_S = 10.0
+
+# Tools running now, from any thread, so that `stop_all` can end them.
+_running: set[subprocess.Popen[str]] = set()
+_running_lock = threading.Lock()
+_stopping = threading.Event()
 
 # Apptainer colours its errors even when they go to a pipe.
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
@@ -57,6 +67,8 @@ def run(
 ) -> Ran:
     """Run `command` to its end or to `timeout` seconds, capturing its output as text."""
     log.info("$ %s", " ".join(command))
+    if _stopping.is_set():
+        return Ran(tuple(command), -1, "", "", f"not started: {STOPPED}")
     try:
         # A session of its own, so that a timeout or an interrupt stops the tool and whatever
         # it started (apptainer's mksquashfs, say), not the tool alone.
@@ -71,6 +83,8 @@ def run(
         )
     except OSError as exc:
         return Ran(tuple(command), -1, "", "", f"cannot run {command[0]}: {exc.strerror or exc}")
+    with _running_lock:
+        _running.add(process)
     try:
         stdout, stderr = process.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -79,11 +93,32 @@ def run(
     except BaseException:
         _stop(process)
         raise
+    finally:
+        with _running_lock:
+            _running.discard(process)
+    if _stopping.is_set() and process.returncode < 0:
+        return Ran(tuple(command), process.returncode, stdout, stderr, STOPPED)
     log.debug("exit %s\n%s%s", process.returncode, stdout, stderr)
     return Ran(tuple(command), process.returncode, stdout, stderr)
 
 
 def _stop(process: subprocess.Popen[str]) -> None:
+    _kill(process)
+    process.communicate()
+
+
+def _kill(process: subprocess.Popen[str]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
+
+
+STOPPED = "stopped: harbor-hpc was told to stop"
+
+
+def stop_all() -> None:
+    """End every tool `run` started and start no more (from a signal handler, too)."""
+    _stopping.set()
+    with _running_lock:
+        running = list(_running)
+    for process in running:
+        _kill(process)

@@ -5,6 +5,10 @@ sample: the prompt (the task's instruction), the reward(s), whether and why it f
 when the agent reports them, the token-level data of each turn (prompt and completion token
 ids, log-probs, a loss mask) from Harbor's `agent_result.rollout_details`. Agents that keep
 token data in `agent_result.metadata` instead have it passed through as `agent_metadata`.
+
+Every trial that ended is a line, reruns of an attempt included; `counts` marks the one trial per
+attempt that `status` reports (a rerun after a cancelled job or `resubmit --failed` supersedes
+the trials before it), so a trainer that wants one sample per attempt keeps those.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_text, read_json
 from harbor_hpc.results.classify import outcome_of_result
 from harbor_hpc.results.record import Marker, RunPaths, RunRecord, load_run, read_markers
-from harbor_hpc.results.status import trial_outcome
+from harbor_hpc.results.status import AttemptStatus, trial_outcome
 
 SCHEMA = "harbor-hpc/rollout/v1"
 # Where Harbor's agents write an ATIF trajectory, relative to the trial folder.
@@ -60,9 +64,10 @@ def _token_data(agent_result: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def rollout(
-    record: RunRecord, run_dir: Path, marker: Marker, result: dict[str, Any]
+    record: RunRecord, run_dir: Path, marker: Marker, result: dict[str, Any], *, counts: bool
 ) -> dict[str, Any]:
-    """One finished trial as an export line."""
+    """One finished trial as an export line; `counts` when it is the trial its attempt's
+    status reports."""
     outcome = trial_outcome(marker, outcome_of_result(result))
     trial_dir = RunPaths(run_dir).trial(marker.trial)
     agent_result = result.get("agent_result") or {}
@@ -76,6 +81,7 @@ def rollout(
         "attempt": marker.attempt,
         "trial": marker.trial,
         "trial_dir": str(trial_dir),
+        "counts": counts,
         "instruction": instruction_path.read_text() if instruction_path.is_file() else None,
         "reward": outcome.reward,
         "rewards": outcome.rewards,
@@ -97,8 +103,9 @@ def rollout(
     }
 
 
-def collect_rollouts(run_dir: Path) -> list[dict[str, Any]]:
-    """Every trial of the run that left a result.json, oldest first."""
+def collect_rollouts(run_dir: Path, counted: set[str]) -> list[dict[str, Any]]:
+    """Every trial of the run that left a result.json, oldest first; `counted` names the trials
+    the run's status reports, one per attempt at most."""
     record = load_run(run_dir)
     rollouts = []
     for marker in read_markers(run_dir):
@@ -109,7 +116,7 @@ def collect_rollouts(run_dir: Path) -> list[dict[str, Any]]:
             result = read_json(result_path)
         except HarborHpcError:
             continue  # status reports unreadable results; a trainer gets only usable lines
-        rollouts.append(rollout(record, run_dir, marker, result))
+        rollouts.append(rollout(record, run_dir, marker, result, counts=marker.trial in counted))
     return rollouts
 
 
@@ -125,9 +132,11 @@ class Export:
         return {"out": str(self.out), "rollouts": self.rollouts, "dry_run": self.dry_run}
 
 
-def export_run(run_dir: Path, out: Path, *, dry_run: bool = False) -> Export:
-    """Write the run's rollouts to `out` (JSONL, atomically)."""
-    rollouts = collect_rollouts(run_dir)
+def export_run(
+    run_dir: Path, out: Path, statuses: list[AttemptStatus], *, dry_run: bool = False
+) -> Export:
+    """Write the run's rollouts to `out` (JSONL, atomically), marking those `statuses` count."""
+    rollouts = collect_rollouts(run_dir, {s.trial for s in statuses if s.trial is not None})
     if not dry_run:
         text = "".join(json.dumps(line, default=str) + "\n" for line in rollouts)
         try:

@@ -101,6 +101,9 @@ class RunRecord:
     environment: str
     environment_kwargs: dict[str, Any]
     options: dict[str, Any]
+    # The names of the variables the agent gets from the job's environment (`--agent-env`):
+    # their values, often secrets, are never written down.
+    agent_env: list[str] = field(default_factory=list)
     # Tasks that could not be submitted because their image is missing, with the reason.
     image_problems: dict[str, str] = field(default_factory=dict)
     submissions: list[Submission] = field(default_factory=list)
@@ -119,7 +122,7 @@ class RunRecord:
     def differences(self, other: RunRecord) -> list[str]:
         """What `other` would run differently: the fields that define a run's trials."""
         fields = (
-            *("tasks_root", "tasks", "agent", "model", "agent_kwargs"),
+            *("tasks_root", "tasks", "agent", "model", "agent_kwargs", "agent_env"),
             *("environment", "environment_kwargs", "attempts"),
         )
         return [name for name in fields if getattr(self, name) != getattr(other, name)]
@@ -139,6 +142,7 @@ class RunRecord:
             "agent": self.agent,
             "model": self.model,
             "agent_kwargs": self.agent_kwargs,
+            "agent_env": self.agent_env,
             "environment": self.environment,
             "environment_kwargs": self.environment_kwargs,
             "options": self.options,
@@ -186,6 +190,7 @@ class RunRecord:
                 agent=str(data["agent"]),
                 model=data.get("model"),
                 agent_kwargs=dict(data.get("agent_kwargs", {})),
+                agent_env=[str(name) for name in data.get("agent_env", [])],
                 environment=str(data["environment"]),
                 environment_kwargs=dict(data.get("environment_kwargs", {})),
                 options=dict(data["options"]),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from harbor_hpc.results.export import Export, export_run
 from harbor_hpc.results.record import RunRecord, Submission, load_run
 from harbor_hpc.results.status import RunStatus, attempt_statuses
 from harbor_hpc.slurm import cluster
@@ -61,6 +62,11 @@ def run_status(run_dir: Path) -> RunStatus:
     """Every task attempt of the run in `run_dir`: pending, running, done or failed (why)."""
     record = load_run(run_dir)
     return RunStatus.of(attempt_statuses(run_dir, record, live_jobs(record)))
+
+
+def export(run_dir: Path, out: Path, *, dry_run: bool = False) -> Export:
+    """The run's rollouts into `out`, each marked whether it is the trial `status` counts."""
+    return export_run(run_dir, out, run_status(run_dir).attempts, dry_run=dry_run)
 
 
 def follow(

@@ -8,20 +8,23 @@ as Slurm hands them out. Tasks whose image is missing are recorded and not submi
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import json
 import math
+import os
+import re
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, environment_class
-from harbor_hpc.apptainer.store import sif_file
-from harbor_hpc.core.config import chosen_cache_dir
+from harbor_hpc.apptainer.store import sif_file, unavailable
+from harbor_hpc.core.config import Config, cache_dir, chosen_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import LockTimeout, file_lock
 from harbor_hpc.results.classify import AttemptState, FailureClass
@@ -55,6 +58,8 @@ class SubmitOptions:
     agent: str
     model: str | None = None
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    # `--agent-env NAME` (the value from this environment) or `NAME=VALUE`.
+    agent_env: list[str] = field(default_factory=list)
     environment: str = ENVIRONMENT
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     # `--cache-dir` and `--scratch-dir` as given: they reach the environment as kwargs.
@@ -151,22 +156,49 @@ def parse_sbatch_args(args: list[str]) -> dict[str, Any]:
     return extra
 
 
-def image_problem(task: Task) -> str | None:
+ReferenceCheck = Callable[[str], str | None]
+
+
+def reference_check(environment_kwargs: dict[str, Any]) -> ReferenceCheck:
+    """Why no node could get a registry reference (None when one can), asked once per image:
+    from the .sif store the run's environment uses, else from the registry."""
+    store = environment_kwargs.get(CACHE_KWARG)
+    nohttps = environment_kwargs.get("nohttps")
+    return functools.cache(
+        lambda image: unavailable(
+            image,
+            Path(store) if store else cache_dir(None, Config()),
+            nohttps=None if nohttps is None else bool(nohttps),
+        )
+    )
+
+
+def image_problem(task: Task, check: ReferenceCheck) -> str | None:
     """Why `task` cannot run for want of an image (its own, or its separate verifier's), or None
-    when its images are there to use."""
+    when its images are there to use: a .sif that exists, or a reference a node can get."""
     image = task.docker_image
     if not image:
         return (
             f"{task.task_toml}: no environment.docker_image "
             "(run `harbor-hpc convert` and `harbor-hpc rewrite` first)"
         )
-    sif = sif_file(image, task.environment_dir)
-    if sif is not None and not sif.is_file():
-        return f"{task.task_toml}: docker_image {image} does not exist (run `harbor-hpc convert`)"
-    return _verifier_image_problem(task)
+    problem = _image_problem(image, task.environment_dir, check)
+    if problem is not None:
+        return f"{task.task_toml}: docker_image {problem}"
+    return _verifier_image_problem(task, check)
 
 
-def _verifier_image_problem(task: Task) -> str | None:
+def _image_problem(image: str, folder: Path, check: ReferenceCheck) -> str | None:
+    sif = sif_file(image, folder)
+    if sif is not None:
+        return None if sif.is_file() else f"{image} does not exist (run `harbor-hpc convert`)"
+    why = check(image)
+    if why is None:
+        return None
+    return f"{image} cannot be had: {why} (build and push it, or fix the reference)"
+
+
+def _verifier_image_problem(task: Task, check: ReferenceCheck) -> str | None:
     """Harbor's separate verifier takes `[verifier.environment] docker_image`, else builds
     tests/Dockerfile (or tests/docker-compose.yaml), else runs in the task's own image."""
     if not task.separate_verifier:
@@ -185,12 +217,10 @@ def _verifier_image_problem(task: Task) -> str | None:
             "verifier.environment.docker_image (run `harbor-hpc build`, `convert` and "
             "`rewrite` first)"
         )
-    sif = sif_file(image, task.tests_dir)  # Harbor gives the verifier tests/ as its folder
-    if sif is not None and not sif.is_file():
-        return (
-            f"{task.task_toml}: verifier.environment.docker_image {image} does not exist "
-            "(run `harbor-hpc convert`)"
-        )
+    # Harbor gives the verifier tests/ as its folder.
+    problem = _image_problem(image, task.tests_dir, check)
+    if problem is not None:
+        return f"{task.task_toml}: verifier.environment.docker_image {problem}"
     return None
 
 
@@ -246,6 +276,47 @@ def placed_environment_kwargs(options: SubmitOptions) -> dict[str, Any]:
     return kwargs
 
 
+def refuse_secrets(kwargs: dict[str, Any], option: str) -> None:
+    """A kwarg named like a secret (Harbor's own rule: key, secret, token, password...) would be
+    written into run.json and every trial's config.json, readable for as long as they last."""
+    from harbor.utils.env import is_sensitive_env_key
+
+    secret = sorted(name for name in kwargs if is_sensitive_env_key(name))
+    if secret:
+        raise InputError(
+            f"{option} {', '.join(secret)}: looks like a secret, and kwargs are written down",
+            hint="pass it as --agent-env NAME (taken from your environment) or "
+            "--agent-env NAME=VALUE: the agent gets it from the job's environment only",
+        )
+
+
+def pass_agent_env(specs: list[str]) -> list[str]:
+    """The names of `--agent-env NAME[=VALUE]`; each value is put in this process's environment,
+    which sbatch hands to the jobs (and local jobs inherit): it never reaches a file here."""
+    names = []
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise InputError(
+                f"--agent-env {name!r} is not a variable name", hint="e.g. OPENAI_API_KEY"
+            )
+        if sep:
+            os.environ[name] = value
+        names.append(name)
+    require_agent_env(names)
+    return sorted(set(names))
+
+
+def require_agent_env(names: list[str]) -> None:
+    """Refuse to queue a run whose agent would miss variables the caller did not set."""
+    unset = [name for name in names if name not in os.environ]
+    if unset:
+        raise InputError(
+            f"--agent-env {', '.join(unset)}: not set in your environment",
+            hint="export it first, or pass --agent-env NAME=VALUE",
+        )
+
+
 def submit_run(
     tasks_dir: Path, run_dir: Path, options: SubmitOptions, *, dry_run: bool = False
 ) -> SubmitResult:
@@ -253,6 +324,8 @@ def submit_run(
     if options.tasks_per_job < 1 or options.concurrency < 1 or options.attempts < 1:
         raise InputError("--tasks-per-job, --concurrency and --attempts must be at least 1")
     check_agent(options.agent)
+    refuse_secrets(options.agent_kwargs, "--agent-kwarg")
+    refuse_secrets(options.environment_kwargs, "--environment-kwarg")
     environment_kwargs = placed_environment_kwargs(options)
     check_environment(options.environment, environment_kwargs)
     executor = choose_executor(options.executor)
@@ -271,6 +344,7 @@ def submit_run(
         agent=options.agent,
         model=options.model,
         agent_kwargs=options.agent_kwargs,
+        agent_env=pass_agent_env(options.agent_env),
         environment=options.environment,
         environment_kwargs=environment_kwargs,
         options={**options.to_json(), "executor": str(executor)},
@@ -323,6 +397,7 @@ def only_writer(run_dir: Path) -> Iterator[None]:
 
 def _resubmit(run_dir: Path, *, failed: bool, dry_run: bool) -> SubmitResult:
     record = load_run(run_dir)
+    require_agent_env(record.agent_env)
     statuses = attempt_statuses(run_dir, record, live_jobs(record))
     units = []
     skipped = []
@@ -359,10 +434,11 @@ def _launch(
     """Record image problems, size and chunk the runnable units, and queue them."""
     options = record.options
     executor = choose_executor(str(options["executor"]))
+    check = reference_check(record.environment_kwargs)
     problems = {
         rel: problem
         for rel in sorted({unit.task for unit in units})
-        if (problem := image_problem(tasks[rel])) is not None
+        if (problem := image_problem(tasks[rel], check)) is not None
     }
     runnable = [unit for unit in units if unit.task not in problems]
     chunks = plan_chunks(

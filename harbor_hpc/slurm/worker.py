@@ -40,7 +40,10 @@ from harbor_hpc.results.status import latest_markers, read_outcome
 def agent_config_fields(record: RunRecord) -> dict[str, Any]:
     """Harbor's AgentConfig fields: a registered agent name, or `module:Class` for custom ones."""
     who = {"import_path": record.agent} if ":" in record.agent else {"name": record.agent}
-    return {**who, "model_name": record.model, "kwargs": record.agent_kwargs}
+    # `${NAME}`: Harbor fills it in from this job's environment when the agent starts, and
+    # writes the template, never the value, into the trial's config.json.
+    env = {name: f"${{{name}}}" for name in record.agent_env}
+    return {**who, "model_name": record.model, "kwargs": record.agent_kwargs, "env": env}
 
 
 def current_job_id() -> str | None:

@@ -15,11 +15,12 @@ change goes through `update_manifest`: lock, re-read, change, atomic write.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import atomic_write_json, file_lock, read_json
@@ -120,47 +121,135 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: Any, source: Path) -> Manifest:
+        """The manifest in `data`, every value it reads checked as the schema says: a hand-edited
+        value that would mislead `rewrite` or `convert` (a digest that is not one) is refused,
+        naming the file, the entry and the value."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise InputError(
                 f"{source}: not a harbor-hpc manifest (expected schema {SCHEMA!r})",
                 hint="make one with `harbor-hpc build`",
             )
-        try:
-            images = {
-                key: ImageRecord(
-                    repository=value["repository"],
-                    tag=value["tag"],
-                    tasks=list(value.get("tasks", [])),
-                    digest=value.get("digest"),
-                    error=value.get("error"),
-                    sif=value.get("sif"),
-                    image_id=value.get("image_id"),
-                )
-                for key, value in data["images"].items()
-            }
-            for key, value in data["images"].items():
-                images[key].verifier_tasks = list(value.get("verifier_tasks", []))
-                images[key].build_args = dict(value.get("build_args", {}))
-            tasks = {
-                key: TaskRecord(
-                    value.get("context"),
-                    value.get("image"),
-                    value.get("error"),
-                    _verifier_from_json(value.get("verifier")),
-                )
-                for key, value in data["tasks"].items()
-            }
-            return cls(data["registry"], data["tasks_root"], images, tasks, data["updated_at"])
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise InputError(f"{source}: malformed manifest (bad or missing {exc})") from None
+        top = _Entry(source, "", data)
+        images = {}
+        for key, value in top.objects("images").items():
+            entry = top.child(f"images.{key}", value)
+            image = ImageRecord(
+                repository=entry.text("repository", _REPOSITORY),
+                tag=entry.text("tag", _NAME),
+                tasks=entry.texts("tasks"),
+                digest=entry.optional("digest", _DIGEST),
+                error=entry.optional("error"),
+                sif=entry.optional("sif"),
+                image_id=entry.optional("image_id", _DIGEST),
+            )
+            image.verifier_tasks = entry.texts("verifier_tasks", required=False)
+            image.build_args = entry.mapping("build_args")
+            images[key] = image
+        tasks = {}
+        for key, value in top.objects("tasks").items():
+            entry = top.child(f"tasks.{key}", value)
+            verifier = entry.data.get("verifier")
+            tasks[key] = TaskRecord(
+                entry.optional("context"),
+                entry.optional("image", _PINNED),
+                entry.optional("error"),
+                None
+                if verifier is None
+                else _verifier(entry.child(f"tasks.{key}.verifier", verifier)),
+            )
+        return cls(
+            top.text("registry", _NAME),
+            top.text("tasks_root"),
+            images,
+            tasks,
+            top.text("updated_at"),
+        )
 
 
-def _verifier_from_json(value: Any) -> VerifierRecord | None:
-    if value is None:
-        return None
-    return VerifierRecord(
-        value.get("context"), value.get("image"), value.get("error"), value.get("sif")
-    )
+def _verifier(entry: _Entry) -> VerifierRecord:
+    context = entry.optional("context")
+    # A built image's reference is pinned; an author's is theirs, whatever form it takes.
+    image = entry.optional("image", _PINNED if context is not None else _REFERENCE)
+    return VerifierRecord(context, image, entry.optional("error"), entry.optional("sif"))
+
+
+class _Format(NamedTuple):
+    pattern: re.Pattern[str]
+    # What a value must be, for the error.
+    what: str
+
+
+_ANY = _Format(re.compile(r".*", re.S), "a string")
+_NAME = _Format(re.compile(r".+", re.S), "a non-empty string")
+_REPOSITORY = _Format(re.compile(r"[^@\s]+"), "a repository (REGISTRY/NAME, no '@' or spaces)")
+_REFERENCE = _Format(re.compile(r"\S+"), "an image reference")
+_DIGEST = _Format(re.compile(r"sha256:[0-9a-f]{64}"), "a digest (sha256:<64 hex digits>)")
+_PINNED = _Format(
+    re.compile(r"[^@\s]+@sha256:[0-9a-f]{64}"),
+    "a pinned reference (REGISTRY/NAME@sha256:<64 hex digits>)",
+)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One object of a manifest being read (`name` is where it is, `images.KEY`); every value
+    taken from it is checked, and a bad one is an `InputError` naming the file, entry and value."""
+
+    source: Path
+    name: str
+    data: dict[str, Any]
+
+    def child(self, name: str, value: Any) -> _Entry:
+        if not isinstance(value, dict):
+            raise self._bad(name, value, "an object")
+        return _Entry(self.source, name, value)
+
+    def text(self, key: str, form: _Format = _ANY) -> str:
+        value = self._get(key)
+        if not isinstance(value, str) or not form.pattern.fullmatch(value):
+            raise self._bad(self._at(key), value, form.what)
+        return value
+
+    def optional(self, key: str, form: _Format = _ANY) -> str | None:
+        return None if self._get(key) is None else self.text(key, form)
+
+    def texts(self, key: str, *, required: bool = True) -> list[str]:
+        value = self._get(key) if required else self.data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise self._bad(self._at(key), value, "a list of strings")
+        return list(value)
+
+    def mapping(self, key: str) -> dict[str, str]:
+        """An optional object of strings (absent: empty)."""
+        value = self.data.get(key, {})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise self._bad(self._at(key), value, "an object of strings")
+        return dict(value)
+
+    def objects(self, key: str) -> dict[str, Any]:
+        value = self._get(key)
+        if not isinstance(value, dict):
+            raise self._bad(self._at(key), value, "an object")
+        return value
+
+    def _get(self, key: str) -> Any:
+        if key not in self.data:
+            raise InputError(
+                f"{self.source}: {self.name or 'the manifest'} has no {key!r}", hint=_FIX
+            )
+        return self.data[key]
+
+    def _at(self, key: str) -> str:
+        return f"{self.name}.{key}" if self.name else key
+
+    def _bad(self, where: str, value: Any, what: str) -> InputError:
+        shown = repr(value)
+        if len(shown) > 100:
+            shown = shown[:97] + "..."
+        return InputError(f"{self.source}: {where} = {shown} is not {what}", hint=_FIX)
+
+
+_FIX = "correct that value by hand, or run `harbor-hpc build` again to write the manifest anew"
 
 
 def load_manifest(path: Path) -> Manifest:

@@ -5,8 +5,11 @@ Only that value changes: every other byte of task.toml (comments, order, spacing
 plain `docker_image = "..."` line (nearly every task) is edited in place as text; anything else
 (no such line yet, dotted keys, unusual quoting) goes through tomlkit, which keeps the document's
 formatting. Either way the result is parsed back and must equal the original with just that value
-changed, so a surprise in a file can never write a wrong task.toml. Files are replaced atomically
-and a task already pointing at the right image is not written at all.
+changed, so a surprise in a file can never write a wrong task.toml. Line endings are the file's
+own (CRLF stays CRLF, lines added end like the rest) and a file without a final newline stays so.
+Files are replaced atomically and a task already pointing at the right image is not written at
+all. A symlinked task.toml is edited in its target (the link stays a link), and a task.toml the
+user made read-only is left alone and named: the atomic rename would otherwise go through it.
 
 A task in separate verifier mode without a `[verifier.environment]` table gets one: Harbor then
 gives its verifier a copy of `[environment]` (resources, network, env), so the new table starts as
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import re
+import stat
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +33,7 @@ import tomlkit
 import tomlkit.exceptions
 
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.core.files import atomic_write_text
+from harbor_hpc.core.files import atomic_write_bytes
 from harbor_hpc.core.steps import Step, done, skipped
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, load_manifest
@@ -101,36 +106,69 @@ def rewrite_tasks(
             task.verifier_docker_image,
         ):
             result.unchanged.append(task.rel)
+        elif _read_only(task.task_toml):
+            result.skipped[task.rel] = (
+                f"{task.task_toml}: read-only: chmod u+w it to let rewrite change it"
+            )
         else:
             edits.append((task, target.value, verifier_image))
 
-    def edit(item: tuple[Task, str, str | None]) -> tuple[Task, str, str] | TaskProblem:
+    def edit(item: tuple[Task, str, str | None]) -> _Edit | TaskProblem:
         task, target, verifier = item
         try:
-            old = task.task_toml.read_text()
+            # A symlink's target is what changes: the link stays, pointing at the edited file.
+            path = task.task_toml.resolve(strict=True)
+            old = path.read_bytes().decode()  # bytes as they are: no newline translation
             new = set_docker_image(old, target)
             if verifier is not None and verifier != task.verifier_docker_image:
                 new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
-            return task, old, new
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            return _Edit(task, path, old, new)
+        except (OSError, ValueError) as exc:
             return TaskProblem(task.task_toml, f"not rewritten: {exc}")
 
+    def write(change: _Edit) -> TaskProblem | None:
+        try:
+            atomic_write_bytes(change.path, change.new.encode())
+        except OSError as exc:  # the folder not writable, a full disk: this task only
+            return TaskProblem(change.task.task_toml, f"not written: {exc.strerror or exc}")
+        return None
+
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(edit, edits))
-        writes = []
-        for outcome in done:
+        changes: list[_Edit] = []
+        for outcome in pool.map(edit, edits):
             if isinstance(outcome, TaskProblem):
                 result.problems.append(outcome)
-                continue
-            task, old, new = outcome
-            result.changed.append(task.rel)
-            if dry_run:
-                result.diffs[task.rel] = unified_diff(task, old, new)
             else:
-                writes.append(pool.submit(atomic_write_text, task.task_toml, new))
-        for future in writes:
-            future.result()
+                changes.append(outcome)
+        written: list[TaskProblem | None] = (
+            [None] * len(changes) if dry_run else list(pool.map(write, changes))
+        )
+    for change, problem in zip(changes, written, strict=True):
+        if problem is not None:
+            result.problems.append(problem)
+            continue
+        result.changed.append(change.task.rel)
+        if dry_run:
+            result.diffs[change.task.rel] = unified_diff(change.task, change.old, change.new)
     return result
+
+
+@dataclass(frozen=True)
+class _Edit:
+    task: Task
+    # Where the new text goes: task.toml, or the file it links to.
+    path: Path
+    old: str
+    new: str
+
+
+def _read_only(path: Path) -> bool:
+    """Whether the user took write permission away from `path` (or its target): its owner's
+    write bit is off, or we may not write it. A rename over it would succeed all the same."""
+    try:
+        return not path.stat().st_mode & stat.S_IWUSR or not os.access(path, os.W_OK)
+    except OSError:
+        return False  # gone or unreadable: the edit names that
 
 
 _NO_IMAGE = "the manifest names no image for it"
@@ -213,6 +251,8 @@ def set_docker_image(text: str, value: str, *, table: tuple[str, ...] = ENVIRONM
             container = container[name]
         container["docker_image"] = value
         edited = tomlkit.dumps(document)
+        if _crlf(text):  # tomlkit ends the lines it adds with LF
+            edited = re.sub(r"(?<!\r)\n", "\r\n", edited)
     except tomlkit.exceptions.TOMLKitError as exc:
         raise ValueError(f"tomlkit cannot edit it ({exc})") from None
     if not _parses_to(edited, expected):
@@ -221,9 +261,15 @@ def set_docker_image(text: str, value: str, *, table: tuple[str, ...] = ENVIRONM
 
 
 def _header(table: tuple[str, ...]) -> re.Pattern[str]:
-    """A line `[a.b]` (spaces allowed around names and dots, a comment after) for `table`."""
+    """A line `[a.b]` (spaces allowed around names and dots, a comment after) for `table`, with
+    its line ending (group 1: CRLF, LF, or empty on a last line without one)."""
     names = r"[ \t]*\.[ \t]*".join(re.escape(name) for name in table)
-    return re.compile(rf"^[ \t]*\[[ \t]*{names}[ \t]*\][ \t]*(?:#[^\n]*)?$", re.M)
+    return re.compile(rf"^[ \t]*\[[ \t]*{names}[ \t]*\][ \t]*(?:#[^\r\n]*)?(\r?\n|\Z)", re.M)
+
+
+def _crlf(text: str) -> bool:
+    """Whether every line of `text` ends in CRLF, so that lines added to it must too."""
+    return "\r\n" in text and text.count("\n") == text.count("\r\n")
 
 
 def _edit_in_place(
@@ -245,7 +291,11 @@ def _edit_in_place(
     end = next_header.start() if next_header else len(text)
     line = _DOCKER_IMAGE_LINE.search(text, header.end(), end)
     if line is None:
-        edited = f"{text[: header.end()]}\ndocker_image = {quoted}{text[header.end() :]}"
+        added = f"docker_image = {quoted}"
+        if header.group(1):  # under the header, ending as its line does
+            edited = f"{text[: header.end()]}{added}{header.group(1)}{text[header.end() :]}"
+        else:  # the header ends the file without a newline: so does the added line
+            edited = text + ("\r\n" if _crlf(text) else "\n") + added
         return edited, certain and not had_key
     return text[: line.start(2)] + quoted + text[line.end(2) :], certain and had_key
 

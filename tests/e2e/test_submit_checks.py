@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from harbor.environments.base import BaseEnvironment
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
-from harbor_hpc.slurm.submit import image_problem
+from harbor_hpc.slurm.submit import image_problem, reference_check
 from harbor_hpc.tasks.discovery import Task, load_task
+from tests.support.images import TinyImage
 from tests.support.sample_tasks import make_task
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,22 +143,49 @@ def _task(root: Path, verifier: str, tests_dockerfile: bool = True) -> Task:
     return task
 
 
+# These tasks name .sif files only: the registry is never asked.
+CHECK = reference_check({})
+
+
 def test_image_check_covers_the_separate_verifier(tmp_path: Path) -> None:
     unbuilt = _task(tmp_path / "1", 'environment_mode = "separate"\n')
-    problem = image_problem(unbuilt) or ""
+    problem = image_problem(unbuilt, CHECK) or ""
     assert problem.startswith(f"{unbuilt.task_toml}: the separate verifier builds tests/Dockerfile")
     assert "verifier.environment.docker_image" in problem and "harbor-hpc build" in problem
 
     # Shared mode: tests/Dockerfile is not Harbor's concern, nor ours.
-    assert image_problem(_task(tmp_path / "2", "")) is None
+    assert image_problem(_task(tmp_path / "2", ""), CHECK) is None
     # Separate, but no image of its own: the verifier runs in the task's image.
-    assert image_problem(_task(tmp_path / "3", 'environment_mode = "separate"\n', False)) is None
+    assert (
+        image_problem(_task(tmp_path / "3", 'environment_mode = "separate"\n', False), CHECK)
+        is None
+    )
 
     gone = tmp_path / "gone.sif"
     missing = _task(tmp_path / "4", f'environment = {{ docker_image = "{gone}" }}\n')
-    assert image_problem(missing) == (
+    assert image_problem(missing, CHECK) == (
         f"{missing.task_toml}: verifier.environment.docker_image {gone} does not exist "
         "(run `harbor-hpc convert`)"
     )
     gone.write_text("")
-    assert image_problem(missing) is None
+    assert image_problem(missing, CHECK) is None
+
+
+@pytest.mark.registry
+@pytest.mark.docker
+def test_submit_refuses_references_no_node_could_get(tiny_image: TinyImage, tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "pushed", image=tiny_image.open_ref)
+    absent = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/harbor-hpc-test/absent:1"
+    make_task(tasks, "absent", image=absent)
+    make_task(tasks, "placeholder", image="<REGISTRY>/task-image")
+    command = [sys.executable, "-m", "harbor_hpc", "submit", str(tasks), "--agent", "oracle"]
+    command += ["--run-dir", str(tmp_path / "run"), "--environment-kwarg", "nohttps=true"]
+    done = subprocess.run(
+        [*command, "--dry-run", "--json"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    problems = json.loads(done.stdout)["image_problems"]
+    assert sorted(problems) == ["absent", "placeholder"]
+    assert f"docker_image {absent} cannot be had" in problems["absent"]
+    assert "is not an image reference" in problems["placeholder"]

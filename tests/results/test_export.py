@@ -11,7 +11,15 @@ from harbor.models.agent.context import AgentContext
 
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import export_run
-from harbor_hpc.results.record import Marker, RunPaths, RunRecord, create_run, write_marker
+from harbor_hpc.results.record import (
+    Marker,
+    RunPaths,
+    RunRecord,
+    create_run,
+    load_run,
+    write_marker,
+)
+from harbor_hpc.results.status import attempt_statuses
 from tests.results.test_classify import harbor_result
 
 
@@ -36,22 +44,27 @@ def test_one_line_per_finished_trial_with_tokens(tmp_path: Path) -> None:
         ],
     )
     paths = RunPaths(run_dir)
-    for attempt, trial in enumerate(("t1", "t2")):
+    # t1 ran attempt 0, t2 attempt 1 (and never finished: no result.json, no line), t3 ran
+    # attempt 0 again (a resubmit --failed, say): only t3 counts for attempt 0.
+    for attempt, trial in ((0, "t1"), (1, "t2"), (0, "t3")):
         write_marker(
             run_dir, Marker(trial, "a", attempt, 1, "1_0", socket.gethostname(), 1, f"2026-{trial}")
         )
         paths.trial(trial).mkdir(parents=True)
     result = harbor_result(tmp_path, rewards={"reward": 1}, agent_result=context)
-    (paths.trial("t1") / "result.json").write_text(json.dumps(result))
+    for trial in ("t1", "t3"):
+        (paths.trial(trial) / "result.json").write_text(json.dumps(result))
     (paths.trial("t1") / "agent").mkdir()
     (paths.trial("t1") / "agent" / "trajectory.json").write_text("{}")
-    # t2 never finished: no result.json, no line.
+    statuses = attempt_statuses(run_dir, load_run(run_dir), set())
 
     out = tmp_path / "out" / "rollouts.jsonl"
-    assert export_run(run_dir, out, dry_run=True).rollouts == 1
+    assert export_run(run_dir, out, statuses, dry_run=True).rollouts == 2
     assert not out.exists()
-    assert export_run(run_dir, out).rollouts == 1
-    (line,) = [json.loads(text) for text in out.read_text().splitlines()]
+    assert export_run(run_dir, out, statuses).rollouts == 2
+    line, rerun = [json.loads(text) for text in out.read_text().splitlines()]
+    assert (rerun["trial"], rerun["attempt"], rerun["counts"]) == ("t3", 0, True)
+    assert not line["counts"]  # superseded by t3
     assert line["task"] == "a" and line["trial"] == "t1" and line["attempt"] == 0
     assert line["reward"] == 1.0 and line["rewards"] == {"reward": 1.0}
     assert line["failure"] is None
@@ -69,6 +82,6 @@ def test_an_unwritable_out_is_named_and_nothing_is_left(tmp_path: Path) -> None:
     create_run(run_dir, RunRecord(str(tmp_path), [], "oracle", None, {}, "x:Y", {}, {}))
     (tmp_path / "out").mkdir()
     with pytest.raises(HarborHpcError, match=r"out: cannot write the rollouts") as refused:
-        export_run(run_dir, tmp_path / "out")
+        export_run(run_dir, tmp_path / "out", [])
     assert refused.value.exit_code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no temporary file

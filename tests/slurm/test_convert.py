@@ -1,9 +1,12 @@
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harbor_hpc.apptainer.store import is_ready
@@ -178,3 +181,50 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -
     assert "Traceback" not in result.stderr
     [[script]] = fake_slurm.calls("sbatch")
     assert "#SBATCH --partition=no-such" in Path(script).read_text()
+
+
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_a_terminated_convert_leaves_no_tool_running_and_no_partial_file(
+    tiny_image: TinyImage, tmp_path: Path, recorder: Recorder
+) -> None:
+    repository, digest = tiny_image.open_ref.split("@")
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, {"tiny": record(repository, digest, ["dom/task"])})
+    store = tmp_path / "store"
+    # The pull writes its temporary file, then the `apptainer` stand-in sleeps: killed there.
+    argv = [sys.executable, "-m", "harbor_hpc", "convert", "--manifest", str(manifest)]
+    converter = subprocess.Popen(
+        [*argv, "--cache-dir", str(store), "--nohttps"],
+        env={**os.environ, "HARBOR_HPC_APPTAINER": str(recorder.binary), "PULL_DELAY_AFTER": "60"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own session: what it leaves running is findable
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(store.glob(".*.partial")):
+            assert time.monotonic() < deadline and converter.poll() is None, converter.stderr
+            time.sleep(0.1)
+        converter.terminate()
+        _, err = converter.communicate(timeout=30)
+    finally:
+        left = [p for p in psutil.process_iter(["pid"]) if _session(p) == converter.pid]
+        for process in left:
+            process.kill()
+        if converter.poll() is None:
+            converter.kill()
+    assert converter.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "terminated" in err
+    assert left == []
+    # Nothing that looks finished, nothing half-written (a lock file may stay: it is free).
+    assert [p.name for p in store.iterdir() if p.suffix in (".sif", ".partial")] == []
+
+
+def _session(process: psutil.Process) -> int | None:
+    try:
+        return os.getsid(process.pid)
+    except OSError:
+        return None

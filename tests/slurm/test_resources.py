@@ -12,6 +12,7 @@ from harbor_hpc.slurm.submit import (
     image_problem,
     parse_sbatch_args,
     plan_chunks,
+    reference_check,
     submit_run,
 )
 from harbor_hpc.tasks.discovery import discover_tasks
@@ -50,9 +51,9 @@ def test_image_problems_name_the_task_file(tmp_path: Path) -> None:
     make_task(tmp_path / "t", "ok", image=str(sif))
     make_task(tmp_path / "t", "gone", image=str(tmp_path / "gone.sif"))
     make_task(tmp_path / "t", "none", image=None)
-    make_task(tmp_path / "t", "registry", image="localhost:5000/x:1")
-    problems = {t.rel: image_problem(t) for t in discover_tasks(tmp_path / "t").tasks}
-    assert problems["ok"] is None and problems["registry"] is None
+    check = reference_check({})  # no task names a registry reference: never asked
+    problems = {t.rel: image_problem(t, check) for t in discover_tasks(tmp_path / "t").tasks}
+    assert problems["ok"] is None
     assert "does not exist" in str(problems["gone"])
     assert "no environment.docker_image" in str(problems["none"])
 

@@ -149,6 +149,23 @@ def test_two_submits_at_once_queue_each_attempt_once(debian_sif: Path, tmp_path:
     assert [p for p in [trials, *trials.rglob("*")] if not_allowed(0o750, p)] == []
 
 
+def test_a_secret_reaches_the_agent_and_no_file(debian_sif: Path, tmp_path: Path) -> None:
+    make_task(tmp_path / "tasks", "secret", kind="secret", image=str(debian_sif))
+    run = ["submit", str(tmp_path / "tasks"), "--agent", "oracle", "--run-dir"]
+    run += [str(tmp_path / "run"), "--executor", "slurm"]
+    refused = cli(*run, "--agent-kwarg", "api_key=s3cr3t-2f9a", check=False)
+    assert refused.returncode == 2 and "--agent-env NAME" in refused.stderr, refused.stderr
+    assert not (tmp_path / "run").exists()
+
+    submitted = cli(*run, "--agent-env", "HH_TEST_SECRET=s3cr3t-2f9a", "--wait", "--json")
+    assert "s3cr3t" not in submitted.stdout + submitted.stderr
+    [status] = cli_json("status", str(tmp_path / "run"))
+    assert (status["state"], status["reward"]) == ("done", 1.0), status
+    files = [path for path in (tmp_path / "run").rglob("*") if path.is_file()]
+    assert [path for path in files if b"s3cr3t" in path.read_bytes()] == []
+    assert load_run(tmp_path / "run").agent_env == ["HH_TEST_SECRET"]
+
+
 def test_export_writes_one_rollout_per_trial(suite_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "rollouts.jsonl"
     assert cli_json("export", str(suite_run), "--out", str(out))["rollouts"] == 6
@@ -156,6 +173,7 @@ def test_export_writes_one_rollout_per_trial(suite_run: Path, tmp_path: Path) ->
     assert sorted(line["task"] for line in lines) == sorted(
         task for task in EXPECTED if task not in ("noimage", "gone")
     )
+    assert all(line["counts"] for line in lines)  # one trial per attempt, none superseded
     solved = next(line for line in lines if line["task"] == SOLVED[0])
     assert solved["reward"] == 1.0 and solved["agent"] == "oracle"
     assert solved["timings"]["agent_execution"] is not None
@@ -214,6 +232,12 @@ def test_a_cancelled_job_is_finished_by_resubmit(debian_sif: Path, tmp_path: Pat
     old = {s["trial"] for s in dead}
     assert not old & {s["trial"] for s in done}
     assert all(RunPaths(run_dir).trial(trial).is_dir() for trial in old)  # kept, not reused
+    # Export agrees with status: the cancelled trials (if they left a result) do not count.
+    out = tmp_path / "rollouts.jsonl"
+    cli_json("export", str(run_dir), "--out", str(out))
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {line["trial"] for line in lines if line["counts"]} == {s["trial"] for s in done}
+    assert {line["failure"] for line in lines if not line["counts"]} <= {"infrastructure"}
 
 
 def test_a_requeued_job_resumes_its_chunk_without_rerunning_finished_trials(

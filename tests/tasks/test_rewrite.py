@@ -1,6 +1,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -11,6 +15,7 @@ from harbor_hpc.tasks.manifest import ImageRecord, Manifest, TaskRecord, save_ma
 from harbor_hpc.tasks.rewrite import rewrite_tasks, set_docker_image
 
 REF = "localhost:5000/ns/env-abc@sha256:" + "a" * 64
+DIGEST = "sha256:" + "d" * 64
 
 
 @pytest.mark.parametrize(
@@ -35,6 +40,22 @@ REF = "localhost:5000/ns/env-abc@sha256:" + "a" * 64
         (  # dotted keys: tomlkit keeps the style
             "environment.cpus = 1\n",
             f'environment.cpus = 1\nenvironment.docker_image = "{REF}"\n',
+        ),
+        (  # CRLF, trailing spaces and no final newline: all kept
+            '[environment]  \r\ndocker_image = "old"\r\ncpus = 1 \t',
+            f'[environment]  \r\ndocker_image = "{REF}"\r\ncpus = 1 \t',
+        ),
+        (  # a key added to a CRLF file ends in CRLF
+            "# c\r\n[environment] # env\r\ncpus = 2\r\n",
+            f'# c\r\n[environment] # env\r\ndocker_image = "{REF}"\r\ncpus = 2\r\n',
+        ),
+        (  # a header that ends the file without a newline
+            "a = 1\r\n[environment]",
+            f'a = 1\r\n[environment]\r\ndocker_image = "{REF}"',
+        ),
+        (  # lines tomlkit adds to a CRLF file end in CRLF too
+            'version = "1.0"\r\n',
+            f'version = "1.0"\r\n\r\n[environment]\r\ndocker_image = "{REF}"\r\n',
         ),
         (  # a look-alike inside a multi-line string is left alone
             '[environment]\nnote = """\ndocker_image = "fake"\n"""\ndocker_image = "old"\n',
@@ -130,3 +151,124 @@ def test_a_folder_the_manifest_does_not_know_is_refused(suite: tuple[Path, Path]
     root, manifest = suite
     with pytest.raises(InputError, match="none of the 2 tasks under"):
         rewrite_tasks(root / "a", manifest)
+
+
+def test_rewrite_keeps_every_other_byte(tmp_path: Path) -> None:
+    """Read and written as bytes: CRLF is not turned into LF on the way."""
+    root = tmp_path / "tasks"
+    toml = make_task(root, "crlf", "")
+    toml.write_bytes(b'# k\xc3\xa9ep \r\n[environment]\r\ndocker_image = "old"  # x\r\ncpus = 1')
+    manifest = tmp_path / "manifest.json"
+    pinned = ImageRecord("localhost:5000/ns/env-a", "a" * 64, ["crlf"], digest("a"))
+    write_manifest(manifest, root, pinned)
+    assert rewrite_tasks(root, manifest).changed == ["crlf"]
+    assert toml.read_bytes() == (
+        b"# k\xc3\xa9ep \r\n[environment]\r\n"
+        + f'docker_image = "{pinned.reference}"  # x\r\ncpus = 1'.encode()
+    )
+
+
+def test_a_task_toml_with_a_bom_is_named_and_left_alone(tmp_path: Path) -> None:
+    """Harbor's TOML reader refuses a byte order mark, so the task is named, not rewritten."""
+    root = tmp_path / "tasks"
+    toml = make_task(root, "bom", "")
+    toml.write_bytes(b"\xef\xbb\xbf[environment]\r\ncpus = 1\r\n")
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, root, ImageRecord("localhost:5000/ns/a", "a" * 64, ["bom"], DIGEST))
+    result = rewrite_tasks(root, manifest)
+    assert [problem.path for problem in result.problems] == [toml]
+    assert toml.read_bytes() == b"\xef\xbb\xbf[environment]\r\ncpus = 1\r\n"
+
+
+def test_a_symlinked_task_toml_is_edited_in_its_target(tmp_path: Path) -> None:
+    root = tmp_path / "tasks"
+    link = make_task(root, "linked", "")
+    link.unlink()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / "task.toml"
+    target.write_text("[environment]\ncpus = 1\n")
+    target.chmod(0o640)
+    link.symlink_to(os.path.relpath(target, link.parent))
+    manifest = tmp_path / "manifest.json"
+    pinned = ImageRecord("localhost:5000/ns/env-a", "a" * 64, ["linked"], digest("a"))
+    write_manifest(manifest, root, pinned)
+
+    assert rewrite_tasks(root, manifest).changed == ["linked"]
+    assert link.is_symlink() and link.resolve() == target
+    assert target.read_text() == f'[environment]\ndocker_image = "{pinned.reference}"\ncpus = 1\n'
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert sorted(path.name for path in shared.iterdir()) == ["task.toml"]  # no temp file left
+    assert rewrite_tasks(root, manifest).unchanged == ["linked"]
+
+
+def write_manifest(path: Path, root: Path, *images: ImageRecord) -> None:
+    manifest = Manifest("localhost:5000/ns", str(root))
+    for image in images:
+        manifest.set_image(image.tag, image)
+    save_manifest(path, manifest)
+
+
+def cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    config = tmp_path / "empty-config.toml"
+    config.write_text("")
+    return subprocess.run(
+        [sys.executable, "-m", "harbor_hpc", "rewrite", *args],
+        capture_output=True,
+        text=True,
+        # No wrapping inside messages; no config file of the user's.
+        env={**os.environ, "COLUMNS": "250", "HARBOR_HPC_CONFIG": str(config)},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_read_only_task_toml_is_refused_and_the_others_go_on(tmp_path: Path) -> None:
+    root = tmp_path / "tasks"
+    locked = make_task(root, "locked", "[environment]\ncpus = 1\n")
+    free = make_task(root, "free", "[environment]\ncpus = 1\n")
+    locked.chmod(0o444)
+    manifest = tmp_path / "manifest.json"
+    write_manifest(
+        manifest, root, ImageRecord("localhost:5000/ns/a", "a" * 64, ["locked", "free"], DIGEST)
+    )
+
+    ran = cli(str(root), "--manifest", str(manifest), tmp_path=tmp_path)
+    assert ran.returncode == 1, ran.stderr
+    assert f"{locked}: read-only: chmod u+w it to let rewrite change it" in ran.stderr
+    assert "Traceback" not in ran.stderr + ran.stdout
+    assert locked.read_text() == "[environment]\ncpus = 1\n"
+    assert locked.stat().st_mode & 0o777 == 0o444
+    assert tomllib.loads(free.read_text())["environment"]["docker_image"] == (
+        f"localhost:5000/ns/a@{DIGEST}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "change", "shown"),
+    [
+        ("digest", "latest", "'latest' is not a digest (sha256:<64 hex digits>)"),
+        ("digest", "sha256:" + "A" * 64, "is not a digest"),
+        ("tasks", "t", "'t' is not a list of strings"),
+        ("repository", 5, "5 is not a repository"),
+        ("sif", ["x"], "['x'] is not a string"),
+    ],
+)
+def test_a_bad_manifest_value_is_one_line_naming_it(
+    tmp_path: Path, entry: str, change: object, shown: str
+) -> None:
+    root = tmp_path / "tasks"
+    toml = make_task(root, "t", "[environment]\ncpus = 1\n")
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, root, ImageRecord("localhost:5000/ns/a", "a" * 64, ["t"], DIGEST))
+    data = json.loads(manifest.read_text())
+    data["images"]["a" * 64][entry] = change
+    manifest.write_text(json.dumps(data))
+
+    ran = cli(str(root), "--manifest", str(manifest), tmp_path=tmp_path)
+    assert ran.returncode == 2
+    error = [line for line in ran.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in ran.stderr
+    assert error[0].startswith(f"error: {manifest}: images.{'a' * 64}.{entry} = ")
+    assert shown in error[0]
+    assert toml.read_text() == "[environment]\ncpus = 1\n"
