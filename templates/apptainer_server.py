@@ -389,6 +389,9 @@ def docker_environment(image_env_file):
 
 
 def main():
+    # Docker's umask, whatever the user's (a cluster login often has 077): files the task's root
+    # makes stay readable by its other users, as the task expects.
+    os.umask(0o022)
     become_subreaper()
     hold_tmpfs_fds()
     workdir = sys.argv[1] if len(sys.argv) > 1 else "/"

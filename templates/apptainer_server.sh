@@ -10,6 +10,7 @@
 # server (one more bash per script, files instead of pipes), never different.
 HH_DIR=${1:?usage: apptainer_server.sh HH_DIR WORKDIR [IMAGE_ENV_FILE]}
 WORKDIR=${2:-/}
+umask 022 # Docker's, whatever the user's (see apptainer_server.py)
 mkdir -p "$WORKDIR" && cd "$WORKDIR" || echo "harbor-hpc server: cannot use workdir $WORKDIR" >&2
 
 # As apptainer_server.py: descriptors on the tmpfs mounts for the host's memory watchdog, and

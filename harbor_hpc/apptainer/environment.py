@@ -332,6 +332,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         (self._private_dir / "overlay").mkdir()
         (self._private_dir / "tmp").mkdir()
         (self._private_dir / "resolv.conf").write_text(RESOLV_CONF)
+        (self._private_dir / "resolv.conf").chmod(0o644)  # apt's `_apt` resolves names too
         staging = self._private_dir / "staging"
         server_dir = staging / ".hh"
         for folder in (staging, server_dir, server_dir / "req", server_dir / "out"):
@@ -675,7 +676,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
         source = Path(source_path)
         with self._transfer_dir() as (host, inside):
-            await asyncio.to_thread(shutil.copyfile, source, host / "file")
+            # With its mode, as `docker cp` keeps it (the user's umask must not reach it).
+            await asyncio.to_thread(shutil.copy, source, host / "file")
             target = shlex.quote(target_path)
             await self._checked(
                 f'mkdir -p -- "$(dirname -- {target})" && cp -- {inside}/file {target}',

@@ -15,7 +15,8 @@ requeue, a dead job or `resubmit`) gets a new trial name, so no finished trial i
 A run folder is its owner's alone (0700): its trials hold rewards that train models, and agent
 logs that may quote what the agent was given. With `--group-readable` the owner's group may read
 it (0750), never write; nobody else may even list it. Harbor makes trial folders world-writable
-(0777) for Docker's sake: workers run under a matching umask and seal each trial when it ends.
+(0777) for Docker's sake: workers seal each trial once Harbor has made it, and when it ends.
+The worker's umask is left alone: it would reach the containers, which keep Docker's (022).
 
 `run.json` is shared between the submitting process and `resubmit` runs, so every change goes
 through `update_run` (lock, re-read, change, atomic write). Markers have one writer each.
@@ -272,8 +273,12 @@ def make_private(run_dir: Path, group_readable: bool) -> None:
     """Create `run_dir` if needed and let only its owner (and with `group_readable` the owner's
     group, to read) in."""
     try:
+        mode = 0o777 & ~run_umask(group_readable)
         run_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(run_dir, 0o777 & ~run_umask(group_readable))
+        os.chmod(run_dir, mode)
+        paths = RunPaths(run_dir)
+        for folder in (paths.trials, paths.markers, paths.submitit):
+            folder.mkdir(mode=mode, exist_ok=True)
     except OSError as exc:
         raise InputError(
             f"{run_dir}: cannot make it a private run folder ({exc.strerror})",

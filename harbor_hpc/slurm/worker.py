@@ -30,7 +30,6 @@ from harbor_hpc.results.record import (
     load_run,
     new_trial_name,
     read_markers,
-    run_umask,
     seal,
     write_marker,
 )
@@ -66,7 +65,6 @@ class ChunkWorker(submitit.helpers.Checkpointable):
     def __call__(self, units: list[list[Any]]) -> dict[str, int]:
         run_dir = Path(self.run_dir)
         record = load_run(run_dir)
-        os.umask(run_umask(record.group_readable))  # for all Harbor writes in this job
         todo = self.units_left(run_dir, [Unit.from_json(u) for u in units])
         self._watch_termination()
         asyncio.run(self._run_all(run_dir, record, todo))
@@ -145,6 +143,8 @@ class ChunkWorker(submitit.helpers.Checkpointable):
                 ),
             )
             trial = await Trial.create(config)
+            # Harbor has just made the trial's folders world-writable, for Docker's sake.
+            seal(paths.trial(marker.trial), record.group_readable)
             await trial.run()
             if self.terminated_by is not None:
                 marker.terminated_by = self.terminated_by

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -77,7 +76,9 @@ async def run(environment: SingularityEnvironment, command: str, **kwargs: Any) 
 def connect_command(host: str, port: int) -> str:
     return (
         f'python3 -c \'import socket; socket.create_connection(("{host}", '
-        f'{port}), timeout=3); print("connected")\' 2>&1 | tail -n 1'
+        # slirp4netns is a user-space network: on a loaded 2-core node a connection can take
+        # seconds. Without a network the attempt fails at once, whatever the timeout.
+        f'{port}), timeout=30); print("connected")\' 2>&1 | tail -n 1'
     )
 
 
@@ -121,10 +122,19 @@ def test_the_container_looks_like_docker(fidelity_sif: Path, tmp_path: Path) -> 
     logs = tmp_path / "logs"
     logs.mkdir()
     mounts = [{"type": "bind", "source": str(logs), "target": "/logs/agent"}]
+    tool = tmp_path / "tool.sh"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
 
     async def main() -> None:
         async with started(fidelity_sif, tmp_path, mounts=mounts) as environment:
             assert await run(environment, "id -u; pwd") == "0\n/app\n"
+            # Docker's umask and `docker cp`'s modes, whatever the user's umask (077 here).
+            assert await run(environment, "umask") == "0022\n"
+            await environment.upload_file(tool, "/app/tool.sh")
+            assert await run(environment, "stat -c %a /app/tool.sh") == "755\n"
+            readable = "su nobody -s /bin/sh -c 'cat /etc/resolv.conf >/dev/null && echo ok'"
+            assert await run(environment, readable) == "ok\n"
             # The image's folders, /tmp and HOME are writable, as for Docker's root.
             made = "echo x > /app/new && echo y > /tmp/t && echo z > $HOME/h && echo $HOME"
             assert await run(environment, made) == "/root\n"
@@ -157,7 +167,11 @@ def test_the_container_looks_like_docker(fidelity_sif: Path, tmp_path: Path) -> 
             private = environment._private_dir
             assert private is not None and private.stat().st_mode & 0o077 == 0
 
-    asyncio.run(main())
+    user_umask = os.umask(0o077)  # a cluster login's, stricter than Docker's
+    try:
+        asyncio.run(main())
+    finally:
+        os.umask(user_umask)
     host_secret.unlink()
     # What the container wrote into the host's folders belongs to whoever ran it.
     owners = {path.name: path.stat().st_uid for path in logs.iterdir()}
@@ -378,9 +392,19 @@ def test_published_task_features_through_submit(
     assert submitted.returncode in (0, 1), submitted.stderr
     statuses = {row["task"]: row for row in cli_json("status", str(run_dir))}
     seen = {name: (row["state"], row["reward"], row["failure"]) for name, row in statuses.items()}
-    assert seen == EXPECTED, json.dumps(statuses, indent=1)[:4000]
+    wrong = {name: row for name, row in statuses.items() if seen[name] != EXPECTED.get(name)}
+    assert seen == EXPECTED, "\n".join(
+        f"{name}: {row}\n{trial_logs(run_dir / 'trials' / str(row['trial']))}"
+        for name, row in wrong.items()
+    )
     assert "docker-compose.yaml" in (statuses["compose"]["message"] or "")
     assert "256 MB" in (statuses["hog-shm"]["message"] or "")
+
+
+def trial_logs(trial: Path) -> str:
+    """The tail of what the agent and the verifier of `trial` printed, for a failure message."""
+    logs = sorted([*trial.glob("agent/*.txt"), *trial.glob("verifier/*.txt")])
+    return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}" for log in logs)
 
 
 def test_write_task_is_a_valid_harbor_task(tmp_path: Path) -> None:
