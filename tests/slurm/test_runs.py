@@ -261,6 +261,10 @@ def test_a_requeued_job_resumes_its_chunk_without_rerunning_finished_trials(
     # earlier, it is set again and the test waits the two minutes.
     while job_state(job) != "PENDING BeginTime" and time.monotonic() < deadline:
         time.sleep(0.2)
+    # The node revokes the killed run's credentials by time, to the second: a credential made in
+    # the same second counts as revoked ("Job credential revoked") and the job is killed before
+    # it starts. Lifting the hold two seconds on issues a credential of a later second.
+    time.sleep(2)
     make_task(tasks, "b-sleepy", image=str(debian_sif), agent_timeout_sec=60)  # now quick
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
     while queued_jobs([job]) and time.monotonic() < deadline + 60:
