@@ -120,9 +120,15 @@ class Figures:
 
 
 def make_environment(
-    cls: type[BaseEnvironment], sif: Path, folder: Path, name: str, memory_mb: int
+    cls: type[BaseEnvironment],
+    sif: Path,
+    folder: Path,
+    name: str,
+    memory_mb: int,
+    **kwargs: Any,
 ) -> BaseEnvironment:
-    """An environment of `cls` on `sif` for a trial in `folder` (its task folder shared)."""
+    """An environment of `cls` on `sif` for a trial in `folder` (its task folder shared),
+    with `kwargs` (the environment kwargs of `cls`)."""
     environment_dir = folder.parent / "environment"
     environment_dir.mkdir(exist_ok=True)
     trial_paths = TrialPaths(folder)
@@ -135,6 +141,7 @@ def make_environment(
         # A memory limit, so that both run their memory watchdog as in a real trial.
         task_env_config=EnvironmentConfig(docker_image=str(sif), memory_mb=memory_mb),
         logger=logging.getLogger("bench"),
+        **kwargs,
     )
 
 

@@ -103,7 +103,7 @@ ENTRYPOINT_GRACE_SEC = 5.0
 ENTRYPOINT_SETTLE_SEC = 1.0
 # The named parameters of Harbor's BaseEnvironment that Harbor fills itself or users may set,
 # and the one it still takes (and ignores) through **kwargs.
-_BASE_KWARGS = frozenset(
+BASE_KWARGS = frozenset(
     name
     for name in inspect.signature(BaseEnvironment.__init__).parameters
     if name not in {"self", "args", "kwargs"}
@@ -179,7 +179,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         scratch_dir: Path | str | None = None,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - _BASE_KWARGS)
+        unknown = sorted(set(kwargs) - BASE_KWARGS)
         if unknown:
             raise ContainerStartFailed(
                 f"unknown environment kwargs: {', '.join(unknown)}; accepted: "

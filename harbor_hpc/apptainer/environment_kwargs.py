@@ -24,7 +24,8 @@ HARBOR_PASSES = frozenset(
 
 def accepted_environment_kwargs(cls: type) -> list[str]:
     """The kwargs users may pass `cls`: the named parameters of `__init__` along its MRO, up to
-    and including Harbor's BaseEnvironment, less those Harbor passes itself."""
+    and including Harbor's BaseEnvironment, less those Harbor passes itself; with those of the
+    class it hands the rest to (`kwargs_forwarded_to`), if any."""
     from harbor.environments.base import BaseEnvironment
 
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -36,4 +37,7 @@ def accepted_environment_kwargs(cls: type) -> list[str]:
             names |= {p.name for p in parameters if p.kind in named and p.name != "self"}
         if klass is BaseEnvironment:
             break
+    forwarded_to = getattr(cls, "kwargs_forwarded_to", None)
+    if forwarded_to is not None:
+        names |= set(accepted_environment_kwargs(forwarded_to))
     return sorted(names - HARBOR_PASSES)

@@ -25,5 +25,11 @@ class ContainerDied(RuntimeError):
     """The container ended while the trial was using it, for a reason other than memory."""
 
 
+class EnvironmentHostUnavailable(ContainerDied):
+    """Nothing can run the container, or still runs it: its Ray node was lost, the process
+    serving it there died, the cluster ended or never answered, or no node had room for it.
+    The message names the node or the cluster."""
+
+
 class UnsupportedTask(RuntimeError):
     """The task needs something this environment cannot give it faithfully (compose sidecars)."""

@@ -67,6 +67,31 @@ def up(
             "cluster on one machine).",
         ),
     ] = 1,
+    labels: Annotated[
+        str | None,
+        typer.Option(
+            "--labels",
+            help="Labels of every node of the job, key=value,... (Ray's node labels): "
+            "environments select nodes by them (environment kwarg ray_labels).",
+        ),
+    ] = None,
+    join: Annotated[
+        str | None,
+        typer.Option(
+            "--join",
+            help="The address of a running Ray cluster (a trainer's) for the job's nodes to "
+            "join as workers, instead of a cluster of their own. Needs --token-file.",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            exists=True,
+            dir_okay=False,
+            help="The token file of the cluster to --join (it is linked to, never copied).",
+        ),
+    ] = None,
     account: AccountOption = None,
     qos: QosOption = None,
     wait_timeout: Annotated[
@@ -88,7 +113,12 @@ def up(
     in a 0600 file of yours (never on a command line, in a log or in --json): connect with
     RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<token_file> RAY_ADDRESS=<address>.
 
+    With --join, the job's nodes join a cluster already running (a trainer's on GPU nodes,
+    say) as workers; `ray down` then ends only them.
+
     Example: harbor-hpc ray up --nodes 2 --partition cpu --time 240
+    Example: harbor-hpc ray up --nodes 4 --partition cpu --labels role=env \\
+                 --join 10.0.0.5:6379 --token-file ~/trainer/ray-token
     """
     config = setup(verbose)
     options = UpOptions(
@@ -99,6 +129,9 @@ def up(
         account=config.pick("account", account, None),
         qos=config.pick("qos", qos, None),
         ray_nodes_per_node=ray_nodes_per_node,
+        labels=labels,
+        join=join,
+        token_file=token_file,
     )
     where = cluster_dir or cluster.default_cluster_dir()
 
@@ -111,7 +144,8 @@ def up(
 
 
 def _show_up(result: RayCluster) -> None:
-    stdout.print(f"Ray cluster up: {result.address} (Slurm job {result.job_id})", highlight=False)
+    what = f"{result.nodes} Ray node(s) joined" if result.joined else "Ray cluster up:"
+    stdout.print(f"{what} {result.address} (Slurm job {result.job_id})", highlight=False)
     stdout.print(
         f"connect with RAY_ADDRESS={result.address} RAY_AUTH_MODE=token "
         f"RAY_AUTH_TOKEN_PATH={escape(result.token_file)}",
@@ -158,7 +192,8 @@ def down(
     json: JsonOption = False,
     verbose: VerboseOption = 0,
 ) -> None:
-    """End the cluster: cancel its Slurm job and remove its token."""
+    """End the cluster: cancel its Slurm job and remove its token (after --join: only the
+    nodes it added, and the link to the cluster's token)."""
     setup(verbose)
     render(cluster.down(cluster_dir or cluster.default_cluster_dir()), json=json, show=_show_down)
 

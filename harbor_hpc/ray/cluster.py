@@ -80,6 +80,13 @@ class UpOptions:
     # Ray nodes on each Slurm node: several make a multi-node Ray cluster of one machine (each
     # with its own node id and temporary folder), for tests or a fleet of small nodes.
     ray_nodes_per_node: int = 1
+    # Labels of every node of the job (`key=value,...`), for environments to select
+    # (`ray_labels`): CPU nodes that serve environments, say, in a trainer's cluster.
+    labels: str | None = None
+    # The address of a cluster already running (a trainer's) for the job's nodes to join as
+    # workers, with that cluster's token file, instead of starting a cluster of their own.
+    join: str | None = None
+    token_file: Path | None = None
 
     @property
     def ray_nodes(self) -> int:
@@ -88,7 +95,8 @@ class UpOptions:
 
 @dataclass(frozen=True)
 class RayCluster:
-    """A cluster `up` started: what `cluster.json` keeps and `--json` prints (no token)."""
+    """A cluster `up` started, or the nodes it added to one (`joined`): what `cluster.json`
+    keeps and `--json` prints (no token)."""
 
     address: str
     job_id: str
@@ -96,6 +104,8 @@ class RayCluster:
     cluster_dir: str
     token_file: str
     log: str
+    joined: bool = False
+    labels: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,12 +171,14 @@ def job_script(cluster_dir: Path, options: UpOptions) -> str:
     }
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH --{key}={value}" for key, value in sbatch.items() if value]
-    node = shlex.join([sys.executable, "-m", "harbor_hpc.ray.node", str(cluster_dir)])
+    node = [sys.executable, "-m", "harbor_hpc.ray.node", str(cluster_dir)]
+    node += ["--join", options.join] if options.join else []
+    node += ["--labels", options.labels] if options.labels else []
     lines += [
         "set -euo pipefail",
         "umask 077",
         # A node that fails ends the cluster: a partial one would serve fewer nodes than asked.
-        f"exec srun --kill-on-bad-exit=1 {node}",
+        f"exec srun --kill-on-bad-exit=1 {shlex.join(node)}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -196,6 +208,8 @@ def up(
     """Start a cluster and return once all its nodes joined; `queued` hears the job id and
     log as soon as Slurm took the job."""
     modules = _ray_modules(cluster_dir)
+    if options.token_file is not None and not options.join:
+        raise InputError("--token-file goes with --join (a cluster of its own makes its token)")
     if options.ray_nodes < 1:
         raise InputError(f"{options.ray_nodes} Ray nodes: a cluster needs at least one")
     if _cluster_file(cluster_dir).exists():
@@ -208,7 +222,18 @@ def up(
             )
     _private_dir(cluster_dir)
     token = cluster_dir / "token"
-    atomic_write_text(token, secrets.token_hex(32) + "\n", mode=0o600)
+    token.unlink(missing_ok=True)
+    if options.join:
+        # The cluster's own token file, linked (never copied): the nodes read it through the link.
+        if options.token_file is None:
+            raise InputError(
+                f"joining {options.join} needs that cluster's token file", hint="pass --token-file"
+            )
+        token.symlink_to(options.token_file.resolve())
+    else:
+        atomic_write_text(token, secrets.token_hex(32) + "\n", mode=0o600)
+    # Nodes already there, when joining: `up` waits for this many more.
+    before = len(_alive(_nodes_at(options.join, modules))) if options.join else 0
     script = cluster_dir / "job.sh"
     atomic_write_text(script, job_script(cluster_dir, options), mode=0o700)
     job_id: str | None = None
@@ -219,12 +244,19 @@ def up(
         log = cluster_dir / f"job-{job_id}.log"
         if queued is not None:
             queued(job_id, log)
-        address = _await_address(cluster_dir, job_id, log, timeout)
+        address = options.join or _await_address(cluster_dir, job_id, log, timeout)
         cluster = RayCluster(
-            address, job_id, options.ray_nodes, str(cluster_dir), str(token), str(log)
+            address,
+            job_id,
+            options.ray_nodes,
+            str(cluster_dir),
+            str(token),
+            str(log),
+            joined=bool(options.join),
+            labels=options.labels,
         )
         atomic_write_json(_cluster_file(cluster_dir), cluster.to_json())
-        _await_nodes(cluster, modules, timeout)
+        _await_nodes(cluster, modules, before + cluster.nodes, timeout)
     except BaseException:
         # No half cluster: its job, its token and what names it go (the log stays).
         if job_id is not None:
@@ -270,28 +302,45 @@ def _await_address(cluster_dir: Path, job_id: str, log: Path, timeout: float) ->
 
 
 def _await_nodes(
-    cluster: RayCluster, modules: tuple[ModuleType, ModuleType, ModuleType], timeout: float
+    cluster: RayCluster,
+    modules: tuple[ModuleType, ModuleType, ModuleType],
+    count: int,
+    timeout: float,
 ) -> None:
     def joined() -> bool:
-        alive = [node for node in _nodes(cluster, modules) if node.status != "DEAD"]
-        return len(alive) >= cluster.nodes
+        return len(_alive(_nodes(cluster, modules))) >= count
 
     _await(joined, cluster.job_id, Path(cluster.log), timeout, f"{cluster.nodes} Ray node(s)")
+
+
+def _alive(nodes: list[RayNode]) -> list[RayNode]:
+    return [node for node in nodes if node.status != "DEAD"]
 
 
 def _nodes(
     cluster: RayCluster, modules: tuple[ModuleType, ModuleType, ModuleType]
 ) -> list[RayNode]:
-    """Each node Ray's GCS knows, with its total and free resources."""
+    return _nodes_at(cluster.address, modules, job_id=cluster.job_id)
+
+
+def _nodes_at(
+    address: str,
+    modules: tuple[ModuleType, ModuleType, ModuleType],
+    job_id: str | None = None,
+) -> list[RayNode]:
+    """Each node the GCS at `address` knows, with its total and free resources."""
     raylet, sdk, autoscaler = modules
     try:
-        client = raylet.GcsClient(address=cluster.address)
+        client = raylet.GcsClient(address=address)
         state = sdk.get_cluster_resource_state(client)
     except Exception as exc:  # Ray raises its own RPC and authentication errors
+        job = f" (job {job_id})" if job_id else ""
         raise HarborHpcError(
-            f"the Ray cluster at {cluster.address} (job {cluster.job_id}) does not answer: "
+            f"the Ray cluster at {address}{job} does not answer: "
             f"{' '.join(str(exc).split())[:200]}",
-            hint="`harbor-hpc ray status` shows whether its job still runs",
+            hint="`harbor-hpc ray status` shows whether its job still runs"
+            if job_id
+            else f"is {address} the cluster's GCS address, and its token file the right one?",
         ) from None
     return [
         RayNode(

@@ -1,6 +1,7 @@
 """What a `harbor-hpc ray up` job runs on each of its nodes: `python -m harbor_hpc.ray.node DIR`.
 
-Slurm's first task starts the Ray head, the others workers (Ray's own Slurm pattern). The head
+Slurm's first task starts the Ray head, the others workers (Ray's own Slurm pattern); with
+`--join ADDRESS` every task is a worker of that running cluster (a trainer's). The head
 takes a free port (`--port=0`, no race with other users of the node) and writes the address
 it got into DIR for the workers and `ray up` to read. Each node keeps Ray's files (sockets,
 logs, `ray_current_cluster`) in a private temporary folder of its own: Ray's default /tmp/ray
@@ -10,6 +11,7 @@ token is read from the 0600 file in DIR (RAY_AUTH_TOKEN_PATH); it is never an ar
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -73,25 +75,29 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     sys.exit(128 + signum)
 
 
-def main(cluster_dir: Path) -> int:
+def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     job_id = os.environ["SLURM_JOB_ID"]
-    head = os.environ.get("SLURM_PROCID", "0") == "0"
+    head = join is None and os.environ.get("SLURM_PROCID", "0") == "0"
+    own = [f"--labels={labels}"] if labels else []
     temp_dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-ray-"))  # 0700, node-local
-    env = dict(os.environ, RAY_TMPDIR=str(temp_dir))
+    # Ray SIGKILLs what a dead worker started: an environment host's Apptainer would die before
+    # unmounting its images, leaving its FUSE helpers behind. Left alone, each container ends
+    # by itself once its host is gone (its command channel closes) and Apptainer cleans up.
+    env = dict(os.environ, RAY_TMPDIR=str(temp_dir), RAY_kill_child_processes_on_worker_exit="0")
     use_token(env, cluster_dir)
     # Popen, not `core.proc.run` (bounded in time): Ray is this task's service, for the job's life.
     ray: subprocess.Popen[bytes] | None = None
     try:
         if head:
             ray = subprocess.Popen(
-                _ray_start("--head", "--port=0", "--include-dashboard=false"), env=env
+                _ray_start("--head", "--port=0", "--include-dashboard=false", *own), env=env
             )
             address = _wait_for(temp_dir / "ray" / "ray_current_cluster", ray)
             atomic_write_text(address_file(cluster_dir, job_id), address + "\n")
         else:
-            address = _wait_for(address_file(cluster_dir, job_id), None)
-            ray = subprocess.Popen(_ray_start(f"--address={address}"), env=env)
+            address = join or _wait_for(address_file(cluster_dir, job_id), None)
+            ray = subprocess.Popen(_ray_start(f"--address={address}", *own), env=env)
         return ray.wait()
     finally:
         if ray is not None and ray.poll() is None:
@@ -104,4 +110,9 @@ def main(cluster_dir: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(prog="python -m harbor_hpc.ray.node")
+    parser.add_argument("cluster_dir", type=Path)
+    parser.add_argument("--join", help="the address of a running cluster to join as workers")
+    parser.add_argument("--labels", help="the node labels, key=value,...")
+    arguments = parser.parse_args()
+    sys.exit(main(arguments.cluster_dir, arguments.join, arguments.labels))

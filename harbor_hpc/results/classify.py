@@ -26,6 +26,7 @@ from typing import Any
 from harbor_hpc.apptainer.errors import (
     ContainerDied,
     ContainerStartFailed,
+    EnvironmentHostUnavailable,
     ImageUnavailable,
     MemoryLimitExceeded,
     SetupScriptFailed,
@@ -64,6 +65,7 @@ _CLASS_OF_EXCEPTION: dict[str, FailureClass] = {
     UnsupportedTask.__name__: FailureClass.UNSUPPORTED,
     MemoryLimitExceeded.__name__: FailureClass.MEMORY,
     ContainerDied.__name__: FailureClass.INFRASTRUCTURE,
+    EnvironmentHostUnavailable.__name__: FailureClass.INFRASTRUCTURE,
     # Harbor's own Singularity environment, for runs made with it
     "MemoryLimitExceededError": FailureClass.MEMORY,
     # harbor.trial.errors

@@ -21,6 +21,7 @@ from harbor.verifier.verifier import RewardFileNotFoundError
 
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
+    EnvironmentHostUnavailable,
     ImageUnavailable,
     MemoryLimitExceeded,
     SetupScriptFailed,
@@ -70,6 +71,7 @@ def harbor_result(
         (UnsupportedTask("compose services"), "unsupported"),
         (RewardFileNotFoundError("no reward"), "verifier"),
         (asyncio.CancelledError(), "infrastructure"),
+        (EnvironmentHostUnavailable("task t: its Ray node 10.0.0.7 was lost"), "infrastructure"),
         (RuntimeError("agent crashed"), "agent"),
     ],
 )

@@ -15,7 +15,11 @@ from harbor.models.trial.result import StepResult
 from harbor.models.verifier.result import VerifierResult
 from harbor.trial.errors import AgentTimeoutError
 
-from harbor_hpc.apptainer.errors import ContainerStartFailed, MemoryLimitExceeded
+from harbor_hpc.apptainer.errors import (
+    ContainerStartFailed,
+    EnvironmentHostUnavailable,
+    MemoryLimitExceeded,
+)
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import ExportFormat, export_run
 from harbor_hpc.results.record import (
@@ -264,7 +268,7 @@ def test_a_multi_step_task_keeps_each_steps_instruction_reward_and_turns(tmp_pat
 
 def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
     missing = {"noimage": "noimage/task.toml: docker_image /x.sif does not exist"}
-    run = Run(tmp_path, ["env", "slow", "hog", "crash", "noimage"], image_problems=missing)
+    run = Run(tmp_path, ["env", "slow", "hog", "crash", "lost", "noimage"], image_problems=missing)
     context = AgentContext(rollout_details=[detail(EXTENDING[:1])])
     timeout = AgentTimeoutError("Agent execution timed out")
     failed = {
@@ -274,9 +278,16 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
         ),
         "hog": harbor_result(tmp_path, exception=MemoryLimitExceeded("limit 256 MB")),
         "crash": harbor_result(tmp_path, agent_result=context, exception=RuntimeError("boom")),
+        # The Ray node of the container went away mid-trial: its turns say nothing of the policy.
+        "lost": harbor_result(
+            tmp_path,
+            agent_result=context,
+            exception=EnvironmentHostUnavailable("task lost: its Ray node 10.0.0.7 was lost"),
+        ),
     }
+    with_turns = ("slow", "crash", "lost")
     for task, result in failed.items():
-        run.trial(f"t-{task}", task, result, EXTENDING[:1] if task in ("slow", "crash") else None)
+        run.trial(f"t-{task}", task, result, EXTENDING[:1] if task in with_turns else None)
     lines = {line["task"]: line for line in run.export()}
     got = {task: (x["failure"], x["trainable"], x["partial"]) for task, x in lines.items()}
     assert got == {
@@ -284,6 +295,7 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
         "slow": ("timeout", True, True),  # its turns so far, and its reward, are kept
         "hog": ("memory", False, False),
         "crash": ("agent", True, False),
+        "lost": ("infrastructure", False, False),
         "noimage": ("image", False, False),
     }
     assert (lines["noimage"]["trial"], lines["noimage"]["turns"]) == (None, [])
@@ -294,7 +306,7 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
     assert rl["slow"]["partial"] and rl["crash"]["reward"] == 0.0  # no verifier ran: scored 0
     statuses = attempt_statuses(run.dir, load_run(run.dir), set())
     written = export_run(run.dir, tmp_path / "x.jsonl", statuses, fmt=ExportFormat.NEMO_GYM)
-    assert written.left_out == {"not_trainable": 3}
+    assert written.left_out == {"not_trainable": 4}
 
 
 def test_a_run_that_asked_for_tokens_and_got_none_writes_nothing(tmp_path: Path) -> None:

@@ -1,0 +1,64 @@
+"""This process as a Ray driver of the cluster its environments run on.
+
+Which cluster: one this process already joined (a trainer's: `ray.init` was called), else the
+`ray_address` given, else the one `harbor-hpc ray up` started (its folder's `cluster.json`),
+else $RAY_ADDRESS. With `ray up`'s cluster comes its token file; with another address, the
+token settings already in the environment (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH, set
+before Ray is first imported: Ray reads them once).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from harbor_hpc.apptainer.errors import EnvironmentHostUnavailable
+from harbor_hpc.ray.cluster import INSTALL_HINT, default_cluster_dir, load, ray_missing
+from harbor_hpc.ray.node import use_token
+
+_lock = threading.Lock()
+
+
+def cluster_address(ray_address: str | None, cluster_dir: Path | None) -> tuple[str, Path | None]:
+    """The address to join, and the `ray up` folder whose token goes with it (None: the
+    environment's own token settings)."""
+    folder = cluster_dir or default_cluster_dir()
+    cluster = load(folder) if (folder / "cluster.json").exists() else None
+    if ray_address:
+        same = cluster is not None and cluster.address == ray_address
+        return ray_address, folder if same else None
+    if cluster is not None:
+        return cluster.address, folder
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], None
+    raise EnvironmentHostUnavailable(
+        f"no Ray cluster to run environments on: none in {folder} and no RAY_ADDRESS; start "
+        "one with `harbor-hpc ray up`, or pass the environment kwarg ray_address"
+    )
+
+
+def connect(ray_address: str | None, cluster_dir: Path | None) -> None:
+    """Join the cluster once per process (a no-op once joined, whoever joined it)."""
+    problem = ray_missing()
+    if problem:
+        raise EnvironmentHostUnavailable(f"{problem}: {INSTALL_HINT}")
+    with _lock:
+        joined = sys.modules.get("ray")
+        if joined is not None and joined.is_initialized():
+            return
+        address, token_dir = cluster_address(ray_address, cluster_dir)
+        if token_dir is not None:
+            use_token(os.environ, token_dir)
+        import ray  # after the token settings: Ray reads them when first imported
+
+        try:
+            # The hosts' logs stay on their nodes (Ray's log folder there): a driver serving
+            # hundreds of environments must not spend its time relaying them.
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        except Exception as exc:  # Ray raises its own connection and authentication errors
+            raise EnvironmentHostUnavailable(
+                f"the Ray cluster at {address} does not answer: {' '.join(str(exc).split())[:300]}"
+            ) from None

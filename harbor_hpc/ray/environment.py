@@ -1,0 +1,421 @@
+"""A Harbor environment whose container runs on another node of a Ray cluster.
+
+`-e harbor_hpc.environment:RaySingularityEnvironment`: for a trainer on GPU nodes whose
+rollouts' containers belong on CPU nodes. Each environment is a placement group of one bundle
+(the task's cpus and memory, and the node labels asked for), so Ray chooses the node and
+accounts for what it holds; the container then runs there in that node's `EnvironmentHost`
+(harbor_hpc/ray/host.py) as the local `SingularityEnvironment` runs it: the same image store,
+fidelity and memory watchdog. Commands and files go through Ray calls, files in chunks.
+
+Nothing waits on a host blindly: a call that has not answered within `LIVENESS_SEC` probes its
+host, and a node lost, a host killed or a cluster gone ends the environment with
+`EnvironmentHostUnavailable` naming the node, an infrastructure failure (never trainable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import IO, Any, ClassVar, override
+
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer.environment import BASE_KWARGS, SingularityEnvironment
+from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
+from harbor_hpc.ray.cluster import INSTALL_HINT, ray_missing
+from harbor_hpc.ray.connect import connect
+from harbor_hpc.ray.host import CHUNK_BYTES, EnvironmentHost, EnvironmentSpec, pack, unpack
+
+# How long a call may go unanswered before its host is probed, and the probe may take.
+LIVENESS_SEC = 10.0
+# What a command with a timeout gets beyond it to come back, before its host is given up on.
+CALL_GRACE_SEC = 30.0
+STOP_TIMEOUT_SEC = 60.0
+# Harbor's own kwargs the container's host has no use for: the trial's log folders are not
+# mounted from the driver's filesystem (they are copied, `mounted=False`).
+_DRIVER_ONLY = frozenset({"mounts", "stream"})
+# Host actors of this process, by node id: one per node, made on first use.
+_hosts: dict[str, tuple[Any, str]] = {}
+_hosts_lock = threading.Lock()
+
+
+def _first_sentence(error: Exception) -> str:
+    """What Ray says went wrong, without the paragraphs of advice that follow."""
+    return " ".join(str(error).split()).split(". ")[0][:300]
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    """`key=value,key2=!value2` as Ray's label selector."""
+    pairs = [item.partition("=") for item in (text or "").split(",") if item.strip()]
+    bad = [key for key, equals, _ in pairs if not equals or not key.strip()]
+    if bad:
+        raise ContainerStartFailed(f"ray_labels: {text!r} is not key=value[,key=value]")
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def _host_on(node_id: str) -> tuple[Any, str]:
+    """This process's host actor on `node_id` (an actor handle) and the node's address."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    with _hosts_lock:
+        if node_id not in _hosts:
+            address = next(
+                (node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id),  # type: ignore[no-untyped-call]
+                node_id,
+            )
+            actor = (
+                ray.remote(EnvironmentHost)
+                .options(
+                    name=f"harbor-hpc-host-{node_id}",
+                    get_if_exists=True,
+                    num_cpus=0,
+                    max_concurrency=10_000,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                )
+                .remote()
+            )
+            _hosts[node_id] = (actor, address)
+        return _hosts[node_id]
+
+
+def _forget_host(node_id: str) -> None:
+    with _hosts_lock:
+        _hosts.pop(node_id, None)
+
+
+class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor ships no types
+    """Runs a task's container on a node of a Ray cluster, in `SingularityEnvironment`.
+
+    Kwargs (`--environment-kwarg k=v`), with every kwarg of `SingularityEnvironment`:
+        ray_address: the cluster's address (default: the cluster `harbor-hpc ray up`
+            started, else $RAY_ADDRESS; a process that already joined one keeps it).
+        ray_cluster_dir: the folder of the `ray up` cluster (default: ray up's).
+        ray_cpus: the CPUs Ray reserves for the environment (default: the task's cpus);
+            fewer than the task's packs more idle environments per node.
+        ray_labels: node labels the environment's node must have, `key=value,...` in
+            Ray's label-selector syntax (`role=env`, `accel=!gpu`), so CPU nodes serve
+            environments and GPU nodes do not.
+        ray_placement_timeout_sec: how long to wait for a node with room (600).
+    """
+
+    # `accepted_environment_kwargs` lists this class's and these.
+    kwargs_forwarded_to: ClassVar[type] = SingularityEnvironment
+
+    def __init__(
+        self,
+        environment_dir: Path,
+        environment_name: str,
+        session_id: str,
+        trial_paths: TrialPaths,
+        task_env_config: EnvironmentConfig,
+        logger: logging.Logger | None = None,
+        ray_address: str | None = None,
+        ray_cluster_dir: Path | str | None = None,
+        ray_cpus: float | str | None = None,
+        ray_labels: str | None = None,
+        ray_placement_timeout_sec: float | str = 600.0,
+        **kwargs: Any,
+    ) -> None:
+        known = set(accepted_environment_kwargs(SingularityEnvironment)) | BASE_KWARGS
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ContainerStartFailed(
+                f"unknown environment kwargs: {', '.join(unknown)}; accepted: "
+                + ", ".join(accepted_environment_kwargs(RaySingularityEnvironment))
+            )
+        self._ray_address = ray_address
+        self._cluster_dir = Path(ray_cluster_dir).expanduser() if ray_cluster_dir else None
+        self._ray_cpus = float(ray_cpus) if ray_cpus is not None else None
+        self._ray_labels = _labels(ray_labels)
+        self._placement_timeout = float(ray_placement_timeout_sec)
+        # The host's environment takes the user's kwargs and Harbor's; this one only Harbor's
+        # (the setup script's exports live with the container, so the persistent env does).
+        self._forwarded = {key: value for key, value in kwargs.items() if key not in _DRIVER_ONLY}
+        super().__init__(
+            environment_dir=environment_dir,
+            environment_name=environment_name,
+            session_id=session_id,
+            trial_paths=trial_paths,
+            task_env_config=task_env_config,
+            logger=logger,
+            **{
+                key: value
+                for key, value in kwargs.items()
+                if key in BASE_KWARGS and key != "persistent_env"
+            },
+        )
+        self._id = uuid.uuid4().hex
+        self._group: Any = None
+        self._node_id: str | None = None
+        self._host: Any = None
+        self._node = "(not placed yet)"
+        self._lost = False
+
+    @staticmethod
+    @override
+    def type() -> str:
+        return "harbor-hpc-ray-apptainer"
+
+    @classmethod
+    @override
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        return SingularityEnvironment.resource_capabilities()
+
+    @property
+    @override
+    def capabilities(self) -> EnvironmentCapabilities:
+        # The log folders are on the container's node, not mounted from here: Harbor copies them.
+        return EnvironmentCapabilities(mounted=False, disable_internet=True)
+
+    @classmethod
+    @override
+    def preflight(cls) -> None:
+        problem = ray_missing()
+        if problem is not None:
+            raise SystemExit(f"{problem}: {INSTALL_HINT}")
+
+    @override
+    def _validate_definition(self) -> None:
+        return  # as the local environment: start() reports what is wrong, into the trial
+
+    @property
+    def node(self) -> str:
+        """The address of the node the container runs on (once placed)."""
+        return self._node
+
+    # -- calls to the host ------------------------------------------------------------
+
+    def _unavailable(self, what: str) -> EnvironmentHostUnavailable:
+        self._lost = True  # nothing more is asked of that host, stop() included
+        if self._node_id is not None:
+            _forget_host(self._node_id)  # the next environment there gets a host of its own
+        return EnvironmentHostUnavailable(
+            f"task {self.environment_name}: its Ray node {self._node} (node id "
+            f"{(self._node_id or '?')[:12]}) {what}"
+        )
+
+    async def _call(self, ref: Any, timeout_sec: float | None = None) -> Any:
+        """What a host call returns or raised there; its host's loss as one error, found
+        by probing the host whenever the call is quiet for LIVENESS_SEC."""
+        import ray
+
+        loop = asyncio.get_running_loop()
+        answer = asyncio.wrap_future(ref.future())
+        deadline = None if timeout_sec is None else loop.time() + timeout_sec + CALL_GRACE_SEC
+        try:
+            while True:
+                wait = LIVENESS_SEC if deadline is None else max(0, deadline - loop.time())
+                done, _ = await asyncio.wait({answer}, timeout=min(wait, LIVENESS_SEC))
+                if done:
+                    break
+                if deadline is not None and loop.time() >= deadline:
+                    raise self._unavailable(f"did not answer within {timeout_sec} s and more")
+                await self._probe()
+        except asyncio.CancelledError:
+            ray.cancel(ref)  # the command stops there too (Harbor gave up on it)
+            raise
+        return self._result(answer)
+
+    def _result(self, answer: asyncio.Future[Any]) -> Any:
+        from ray.exceptions import RayError, RayTaskError
+
+        try:
+            return answer.result()
+        except RayTaskError as exc:
+            # What the host raised, as it raised it: Harbor records the type by name.
+            raise exc.cause from None
+        except RayError as exc:
+            raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
+
+    async def _probe(self) -> None:
+        from ray.exceptions import RayError
+
+        try:
+            await asyncio.wait_for(
+                asyncio.wrap_future(self._host.where.remote().future()), LIVENESS_SEC
+            )
+        except TimeoutError:
+            raise self._unavailable(f"did not answer for {LIVENESS_SEC:g} s") from None
+        except RayError as exc:
+            raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
+
+    # -- start ---------------------------------------------------------------------------
+
+    def _bundle(self) -> dict[str, float]:
+        cpus = self._ray_cpus if self._ray_cpus is not None else float(self._effective_cpus or 1)
+        bundle = {"CPU": cpus}
+        if self._effective_memory_mb:
+            bundle["memory"] = float(self._effective_memory_mb * 1024 * 1024)
+        return bundle
+
+    async def _place(self) -> None:
+        """A placement group holding the task's resources on a node with the labels asked
+        for, and that node's host."""
+        from ray.exceptions import RayError
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        bundle = self._bundle()
+        try:
+            # Each a call to the GCS, which may be slow or gone: never on the event loop.
+            self._group = await asyncio.to_thread(
+                functools.partial(
+                    placement_group,
+                    [bundle],
+                    strategy="STRICT_PACK",
+                    bundle_label_selector=[self._ray_labels] if self._ray_labels else None,
+                )
+            )
+            await asyncio.wait_for(self._group.ready(), self._placement_timeout)
+            table = await asyncio.to_thread(placement_group_table, self._group)
+            self._node_id = str(table["bundles_to_node_id"][0])
+            self._host, self._node = await asyncio.to_thread(_host_on, self._node_id)
+        except RayError as exc:  # before TimeoutError: Ray's own timeouts are both
+            raise EnvironmentHostUnavailable(
+                f"task {self.environment_name}: the Ray cluster did not place it: "
+                f"{_first_sentence(exc)}"
+            ) from None
+        except TimeoutError:
+            labels = f" with labels {self._ray_labels}" if self._ray_labels else ""
+            raise EnvironmentHostUnavailable(
+                f"task {self.environment_name}: no Ray node{labels} had room for "
+                f"{bundle} within {self._placement_timeout:g} s; `harbor-hpc ray status` "
+                "shows what is free (ray_cpus reserves less per environment)"
+            ) from None
+
+    @override
+    async def start(self, force_build: bool) -> None:
+        await asyncio.to_thread(connect, self._ray_address, self._cluster_dir)
+        spec = EnvironmentSpec(
+            environment_dir=self.environment_dir,
+            environment_name=self.environment_name,
+            session_id=self.session_id,
+            task_env_config=self.task_env_config,
+            kwargs=self._forwarded,
+        )
+        try:
+            await self._place()
+            await self._call(self._host.start.remote(self._id, spec, force_build))
+            await self.ensure_dirs(self._mount_targets(writable_only=True))
+        except BaseException:
+            await self.stop(delete=True)
+            raise
+
+    # -- exec -------------------------------------------------------------------------------
+
+    @override
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        if self._host is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        stdout, stderr, code = await self._call(
+            self._host.exec.remote(
+                self._id, command, cwd, self._merge_env(env), timeout_sec, self._resolve_user(user)
+            ),
+            timeout_sec,
+        )
+        callback = self._output_callback()
+        if callback is not None:  # the output as a whole: it is not streamed from the node
+            for text, stream in ((stdout, "stdout"), (stderr, "stderr")):
+                if text:
+                    await callback(text, stream)
+        return ExecResult(stdout=stdout, stderr=stderr, return_code=code)
+
+    # -- files -------------------------------------------------------------------------
+
+    def _transfer_id(self) -> str:
+        return f"{self._id}.{uuid.uuid4().hex}"
+
+    async def _send(self, source: IO[bytes], target: str, is_dir: bool) -> None:
+        """`source` to the host in chunks, the last one with the call that places it."""
+        if self._host is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        transfer = self._transfer_id()
+        chunk = await asyncio.to_thread(source.read, CHUNK_BYTES)
+        while True:
+            following = await asyncio.to_thread(source.read, CHUNK_BYTES)
+            if not following:
+                break
+            await self._call(self._host.put.remote(transfer, chunk))
+            chunk = following
+        await self._call(self._host.upload.remote(self._id, transfer, chunk, target, is_dir))
+
+    async def _receive(self, source: str, is_dir: bool, into: IO[bytes]) -> None:
+        if self._host is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        transfer = self._transfer_id()
+        chunk = await self._call(self._host.download.remote(self._id, transfer, source, is_dir))
+        offset = 0
+        while True:
+            await asyncio.to_thread(into.write, chunk)
+            offset += len(chunk)
+            if len(chunk) < CHUNK_BYTES:
+                return
+            chunk = await self._call(self._host.take.remote(transfer, offset))
+
+    @override
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        with Path(source_path).open("rb") as source:
+            await self._send(source, target_path, is_dir=False)
+
+    @override
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        with tempfile.TemporaryFile() as archive:
+            await asyncio.to_thread(pack, Path(source_dir), archive)
+            archive.seek(0)
+            await self._send(archive, target_dir, is_dir=True)
+
+    @override
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("wb") as into:
+            await self._receive(source_path, False, into)
+
+    @override
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        with tempfile.TemporaryFile() as archive:
+            await self._receive(source_dir, True, archive)
+            archive.seek(0)
+            await asyncio.to_thread(unpack, archive, Path(target_dir))
+
+    # -- stop ---------------------------------------------------------------------------
+
+    @override
+    async def stop(self, delete: bool) -> None:
+        try:
+            if self._host is not None and not self._lost:
+                try:
+                    await self._call(self._host.stop.remote(self._id, delete), STOP_TIMEOUT_SEC)
+                except EnvironmentHostUnavailable as exc:
+                    self.logger.warning("%s; nothing left to stop there", exc)
+        finally:
+            self._host = None
+            group, self._group = self._group, None
+            if group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                try:
+                    await asyncio.wait_for(
+                        asyncio.to_thread(remove_placement_group, group), LIVENESS_SEC
+                    )
+                except Exception as exc:  # the cluster may be gone: nothing is held then
+                    self.logger.debug("placement group not removed: %s", exc)

@@ -1,0 +1,177 @@
+"""What runs the containers on a Ray node: one `EnvironmentHost` actor per node and driver.
+
+A host is a Ray actor (made by `harbor_hpc.ray.environment`, pinned to its node, owned by the
+driver that asked for it, so it ends with that driver) holding that driver's environments on
+the node: each a `SingularityEnvironment`, with the same fidelity, store and memory watchdog
+as one started locally. One process serves every container of the node, as a local fleet is
+served, instead of a Python process per container. The driver reaches them by their id.
+
+Files cross in chunks (`CHUNK_BYTES`), a folder as an uncompressed tar: neither side ever
+holds more than a chunk of a big folder in memory, and each chunk is one Ray call. What is
+in transit waits in the host's private folder (0700, on the node's scratch space).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from harbor.environments.base import transfer_tar_filter
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.apptainer.errors import ContainerStartFailed
+
+# One Ray call's worth of a transfer: big enough that a folder of gigabytes is a few hundred
+# calls, small enough that neither side notices holding it.
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class EnvironmentSpec:
+    """What a host needs to make an environment: the task's, and the user's kwargs."""
+
+    environment_dir: Path
+    environment_name: str
+    session_id: str
+    task_env_config: EnvironmentConfig
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def pack(source: Path, archive: BinaryIO) -> None:
+    """`source` (a folder) as an uncompressed tar, symlinks kept as links."""
+    with tarfile.open(fileobj=archive, mode="w|") as tar:
+        tar.add(source, arcname=".")
+
+
+def unpack(archive: BinaryIO, target: Path) -> None:
+    """A tar from `pack` into `target`, through Harbor's own filter for archives that come
+    out of a container (no paths outside `target`, no device files)."""
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=archive, mode="r|") as tar:
+        tar.extractall(target, filter=transfer_tar_filter)
+
+
+class EnvironmentHost:
+    """The Ray actor class (wrapped by `ray.remote` where it is started: this module does not
+    import Ray). Every method names the environment it is for."""
+
+    def __init__(self) -> None:
+        self._environments: dict[str, SingularityEnvironment] = {}
+        self._dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-ray-host-"))  # 0700
+        self._logger = logging.getLogger("harbor_hpc.ray.host")
+
+    async def where(self) -> str:
+        """The node's name: what errors about this host name (and a cheap liveness probe)."""
+        return socket.gethostname()
+
+    def _environment(self, env_id: str) -> SingularityEnvironment:
+        environment = self._environments.get(env_id)
+        if environment is None:
+            raise RuntimeError(f"no environment {env_id} on {socket.gethostname()}: stopped?")
+        return environment
+
+    async def start(self, env_id: str, spec: EnvironmentSpec, force_build: bool) -> None:
+        if not spec.environment_dir.is_dir():
+            raise ContainerStartFailed(
+                f"task {spec.environment_name}: its environment folder {spec.environment_dir} "
+                f"is not on the Ray node {socket.gethostname()}; keep datasets on a filesystem "
+                "every node shares"
+            )
+        environment = SingularityEnvironment(
+            environment_dir=spec.environment_dir,
+            environment_name=spec.environment_name,
+            session_id=spec.session_id,
+            trial_paths=TrialPaths(self._dir / env_id),
+            task_env_config=spec.task_env_config,
+            logger=self._logger,
+            **spec.kwargs,
+        )
+        self._environments[env_id] = environment
+        try:
+            await environment.start(force_build)
+        except BaseException:
+            del self._environments[env_id]
+            raise
+
+    async def exec(
+        self,
+        env_id: str,
+        command: str,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        timeout_sec: int | None,
+        user: str | int | None,
+    ) -> tuple[str | None, str | None, int]:
+        result = await self._environment(env_id).exec(command, cwd, env, timeout_sec, user)
+        return result.stdout, result.stderr, result.return_code
+
+    def _transfer(self, transfer_id: str) -> Path:
+        return self._dir / f"{transfer_id}.part"
+
+    async def put(self, transfer_id: str, chunk: bytes) -> None:
+        """One more chunk of an upload: all of them but its last."""
+        with self._transfer(transfer_id).open("ab") as part:
+            part.write(chunk)
+
+    async def upload(
+        self, env_id: str, transfer_id: str, last_chunk: bytes, target: str, is_dir: bool
+    ) -> None:
+        """The upload's last chunk, then its whole into the container at `target`."""
+        environment = self._environment(env_id)
+        await self.put(transfer_id, last_chunk)
+        part = self._transfer(transfer_id)
+        staged = self._dir / transfer_id
+        try:
+            if is_dir:
+                with part.open("rb") as archive:
+                    await asyncio.to_thread(unpack, archive, staged)
+                await environment.upload_dir(staged, target)
+            else:
+                await environment.upload_file(part, target)
+        finally:
+            part.unlink(missing_ok=True)
+            shutil.rmtree(staged, ignore_errors=True)
+
+    async def download(self, env_id: str, transfer_id: str, source: str, is_dir: bool) -> bytes:
+        """Take `source` out of the container; its first chunk (a folder as a tar), and the
+        rest through `take` until a chunk comes back short."""
+        environment = self._environment(env_id)
+        part = self._transfer(transfer_id)
+        if is_dir:
+            staged = self._dir / transfer_id
+            try:
+                await environment.download_dir(source, staged)
+                with part.open("wb") as archive:
+                    await asyncio.to_thread(pack, staged, archive)
+            finally:
+                shutil.rmtree(staged, ignore_errors=True)
+        else:
+            await environment.download_file(source, part)
+        return await self.take(transfer_id, 0)
+
+    async def take(self, transfer_id: str, offset: int) -> bytes:
+        """The download's chunk at `offset`; a short one is its last, and ends the transfer."""
+        part = self._transfer(transfer_id)
+        with part.open("rb") as archive:
+            archive.seek(offset)
+            chunk = archive.read(CHUNK_BYTES)
+        if len(chunk) < CHUNK_BYTES:
+            part.unlink(missing_ok=True)
+        return chunk
+
+    async def stop(self, env_id: str, delete: bool) -> None:
+        environment = self._environments.pop(env_id, None)
+        # What a driver that gave up on a transfer left (transfer ids start with the env's).
+        for part in self._dir.glob(f"{env_id}.*.part"):
+            part.unlink(missing_ok=True)
+        if environment is not None:
+            await environment.stop(delete)

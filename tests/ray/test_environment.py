@@ -1,0 +1,236 @@
+"""`RaySingularityEnvironment` on a real two-node Ray cluster (`harbor-hpc ray up` on Slurm),
+as the ordinary test user: the container on a Ray node, commands and files through its host,
+placement by cpus and labels, and the faults (a host killed, a node lost, the cluster gone)
+ending the environment with one infrastructure error naming the node, never a hang.
+
+Each test drives the environment from a process of its own, as a trainer would: Ray joins one
+cluster per process, and a cluster that dies takes its drivers' Ray state with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from harbor_hpc.apptainer.errors import ContainerStartFailed
+from harbor_hpc.ray.environment import RaySingularityEnvironment
+from harbor_hpc.ray.host import CHUNK_BYTES
+from tests.ray.conftest import RayCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
+
+# What every driver starts with: `make(name, **kwargs)` gives an environment of the test's
+# task on the cluster in CLUSTER_DIR, `show(...)` prints a JSON line for the test to read.
+DRIVER = """
+import asyncio, json, logging, os, sys, time
+from pathlib import Path
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+from harbor_hpc.environment import RaySingularityEnvironment
+
+SIF, FOLDER, CLUSTER_DIR = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+(FOLDER / "environment").mkdir(parents=True, exist_ok=True)
+
+def make(name, memory_mb=256, **kwargs):
+    paths = TrialPaths(FOLDER / name)
+    paths.mkdir()
+    kwargs.setdefault("ray_cpus", 0.1)
+    return RaySingularityEnvironment(
+        environment_dir=FOLDER / "environment", environment_name=name,
+        session_id=f"{name}__env", trial_paths=paths,
+        task_env_config=EnvironmentConfig(docker_image=SIF, memory_mb=memory_mb),
+        logger=logging.getLogger(name), ray_cluster_dir=CLUSTER_DIR, **kwargs)
+
+def show(**values):
+    print(json.dumps(values), flush=True)
+"""
+
+
+def drive(
+    body: str, sif: Path, folder: Path, cluster_dir: str | Path, *more: str
+) -> subprocess.Popen[str]:
+    """Start a driver process running `body` (an `async def main()` and what it needs)."""
+    script = DRIVER + body + "\nasyncio.run(main())\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(sif), str(folder), str(cluster_dir), *more],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def lines(driver: subprocess.Popen[str], timeout: float = 180) -> list[dict[str, Any]]:
+    """Every JSON line the driver printed, once it ended well."""
+    out, err = driver.communicate(timeout=timeout)
+    assert driver.returncode == 0, err[-3000:]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def next_line(driver: subprocess.Popen[str]) -> dict[str, Any]:
+    """The driver's next JSON line (Ray prints its own news about dead workers there too)."""
+    assert driver.stdout is not None
+    while line := driver.stdout.readline():
+        if line.startswith("{"):
+            answer: dict[str, Any] = json.loads(line)
+            return answer
+    raise AssertionError(f"the driver ended: {driver.communicate()[1][-3000:]}")
+
+
+FUSE_HELPERS = {"squashfuse", "squashfuse_ll", "fuse-overlayfs"}
+
+
+def container_processes(sif: Path) -> list[int]:
+    """This user's processes of containers of `sif`, with any FUSE helper of Apptainer's (their
+    command lines name the image by a descriptor, not its path)."""
+    return [
+        process.pid
+        for process in psutil.process_iter(["cmdline", "name", "uids"])
+        if process.info["uids"].real == os.getuid()
+        and (
+            str(sif) in " ".join(process.info["cmdline"] or [])
+            or process.info["name"] in FUSE_HELPERS
+        )
+    ]
+
+
+def gone_within(seconds: float, still: Callable[[], list[int]]) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while still() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return still()
+
+
+# -- what the environment does, on the shared cluster --------------------------------------
+
+SAME_AS_LOCAL = """
+COMMANDS = ["id -u", "pwd", "echo $HOME", "touch /etc/x && echo writable", "ls /logs"]
+
+async def main():
+    from harbor_hpc.apptainer.environment import SingularityEnvironment
+    remote = make("remote")
+    local = SingularityEnvironment(
+        environment_dir=FOLDER / "environment", environment_name="local",
+        session_id="local__env", trial_paths=TrialPaths(FOLDER / "local"),
+        task_env_config=EnvironmentConfig(docker_image=SIF, memory_mb=256))
+    await asyncio.gather(remote.start(False), local.start(False))
+    answers = {}
+    for name, environment in (("remote", remote), ("local", local)):
+        answers[name] = [
+            (r.stdout, r.return_code)
+            for r in [await environment.exec(c, timeout_sec=30) for c in COMMANDS]
+        ]
+    answers["env"] = (await remote.exec("echo $A-$B", env={"A": "1", "B": "two words"})).stdout
+    answers["user"] = (await remote.exec("id -un", user="nobody")).stdout
+    answers["timeout"] = ""
+    try:
+        await remote.exec("sleep 5", timeout_sec=1)
+    except RuntimeError as error:
+        answers["timeout"] = f"{type(error).__name__}: {error}"
+    show(node=remote.node, pid=os.getpid(), **answers)
+    await asyncio.gather(remote.stop(True), local.stop(True))
+"""
+
+
+def test_commands_answer_as_in_the_local_environment(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    (answer,) = lines(drive(SAME_AS_LOCAL, debian_sif, tmp_path, ray_cluster["cluster_dir"]))
+    assert answer["remote"] == answer["local"]
+    assert answer["remote"][0] == ["0\n", 0]  # root in the container, as in Docker
+    assert answer["env"] == "1-two words\n"
+    assert answer["user"] == "nobody\n"
+    assert answer["timeout"] == "RuntimeError: Command timed out after 1 seconds"
+    assert answer["node"] == ray_cluster["address"].rpartition(":")[0]
+    # The container's processes are not the driver's: they run under the node's Ray host.
+    assert not container_processes(debian_sif)
+
+
+FILES = """
+async def main():
+    environment = make("files")
+    await environment.start(False)
+    source = Path(sys.argv[4])
+    await environment.upload_dir(source, "/data/in here")
+    await environment.upload_file(source / "big.bin", "/single/big.bin")
+    sums = await environment.exec("cd '/data/in here' && sha256sum big.bin 'a b/c.txt' "
+                                  "&& readlink link && sha256sum /single/big.bin")
+    await environment.download_dir("/data/in here", FOLDER / "back")
+    await environment.download_file("/single/big.bin", FOLDER / "back-single.bin")
+    await environment.stop(True)
+    show(sums=sums.stdout)
+"""
+
+
+def test_big_folders_and_files_cross_in_chunks_both_ways(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    (source / "a b").mkdir(parents=True)
+    big = os.urandom(2 * CHUNK_BYTES + 12345)  # three chunks each way
+    (source / "big.bin").write_bytes(big)
+    (source / "a b" / "c.txt").write_text("spaces kept\n")
+    (source / "link").symlink_to("a b/c.txt")
+    (answer,) = lines(
+        drive(FILES, debian_sif, tmp_path, ray_cluster["cluster_dir"], str(source)), timeout=300
+    )
+    sums = answer["sums"].splitlines()
+    digest = hashlib.sha256(big).hexdigest()
+    assert sums == [
+        f"{digest}  big.bin",
+        f"{hashlib.sha256(b'spaces kept\n').hexdigest()}  a b/c.txt",
+        "a b/c.txt",
+        f"{digest}  /single/big.bin",
+    ]
+    back = tmp_path / "back"
+    assert (back / "big.bin").read_bytes() == big
+    assert (back / "a b" / "c.txt").read_text() == "spaces kept\n"
+    assert os.readlink(back / "link") == "a b/c.txt"
+    assert (tmp_path / "back-single.bin").read_bytes() == big
+
+
+PLACED = """
+async def main():
+    whole = [make(f"cpu{i}", ray_cpus=1) for i in range(2)]
+    await asyncio.gather(*(environment.start(False) for environment in whole))
+    show(nodes=[environment._node_id for environment in whole])
+    third = make("third", ray_cpus=1, ray_placement_timeout_sec=2)
+    try:
+        await third.start(False)
+    except Exception as error:
+        show(error=f"{type(error).__name__}: {error}")
+    await asyncio.gather(*(environment.stop(True) for environment in whole))
+    again = make("again", ray_cpus=1)
+    await again.start(False)  # what the others held is free again
+    await again.stop(True)
+"""
+
+
+def test_placement_holds_the_tasks_cpus_and_says_when_no_node_has_room(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    placed, refused = lines(drive(PLACED, debian_sif, tmp_path, ray_cluster["cluster_dir"]))
+    assert len(set(placed["nodes"])) == 2  # a CPU each: one per node of one CPU
+    assert refused["error"].startswith("EnvironmentHostUnavailable: task third: no Ray node")
+    assert "had room for {'CPU': 1.0, 'memory': 268435456.0} within 2 s" in refused["error"]
+
+
+def test_unknown_kwargs_name_both_kinds_accepted(tmp_path: Path) -> None:
+    with pytest.raises(ContainerStartFailed) as raised:
+        RaySingularityEnvironment(
+            environment_dir=tmp_path, environment_name="t", session_id="t__env",
+            trial_paths=tmp_path, task_env_config=None, ray_cpu=1,
+        )  # fmt: skip
+    message = str(raised.value)
+    assert message.startswith("unknown environment kwargs: ray_cpu; accepted: ")
+    assert "ray_cpus" in message and "ray_labels" in message and "fakeroot" in message
