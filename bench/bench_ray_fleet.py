@@ -10,7 +10,9 @@ bench_fleet.py uses:
 
 - ready: the time until all N, started together, answered a first `true` (the Ray ones
   include the placement of each and, in the first fleet, the start of each node's host);
-- exec p50 and p99: the latency of `true` run in all N at once, `--rounds` times;
+- exec p50 and p99: the latency of `true` run in all N at once, `--rounds` times; and p50
+  "alone", one command at a time (the Ray hop's own cost, without the queue for processors
+  that N commands at once make on a small machine, where the nodes share the driver's cores);
 - driver idle CPU: the CPU of this process alone (not the containers', nor Ray's nodes')
   while all N sit idle (`--idle-sec`, after a few seconds to settle), in % of a core per
   environment; the fixed cost of being a Ray driver is also measured with no environment.
@@ -65,6 +67,7 @@ class Fleet:
     ready: float  # s
     exec_p50: float  # ms
     exec_p99: float  # ms
+    exec_alone_p50: float  # ms, one command at a time
     driver_cpu: float  # % of a core per environment
     ray_nodes: int | None  # the Ray nodes the fleet ran on (None: local)
     left: int  # processes still running after stop
@@ -181,12 +184,14 @@ async def measure(
             latencies = []
             for _ in range(rounds):
                 latencies += await asyncio.gather(*(timed_exec(env) for env in environments))
+            # One at a time: what the hop itself costs, without the processors' queue.
+            alone = [await timed_exec(env) for env in environments[:16] for _ in range(rounds)]
         finally:
-            nodes = {env._node_id for env in remote if env._node_id is not None}
+            nodes = {env.node_id for env in remote if env.node_id is not None}
             hosts = {
-                env._node_id: env._host
+                env.node_id: env._host
                 for env in remote
-                if env._node_id is not None and env._host is not None
+                if env.node_id is not None and env._host is not None
             }
             local_tree = [] if remote else trees(environments)
             remote_tree = await on_hosts(hosts, host_processes)
@@ -201,6 +206,7 @@ async def measure(
         ready=ready_sec,
         exec_p50=percentile(latencies, 0.5) * 1000,
         exec_p99=percentile(latencies, 0.99) * 1000,
+        exec_alone_p50=percentile(alone, 0.5) * 1000,
         driver_cpu=cpu,
         ray_nodes=len(nodes) if remote else None,
         left=len(left) + sum(remote_left.values()),
@@ -221,6 +227,11 @@ def print_fleet(size: int, local: Fleet, ray: Fleet | str, ray_nodes: int) -> No
             "exec p50 ms", local.exec_p50, ray.exec_p50,
             f"{ray.exec_p50 - local.exec_p50:+.2f} ms", f"<=+{EXEC_P50_OVER_MS:g} ms",
             ray.exec_p50 - local.exec_p50 <= EXEC_P50_OVER_MS,
+        ),
+        (
+            "exec p50 alone ms", local.exec_alone_p50, ray.exec_alone_p50,
+            f"{ray.exec_alone_p50 - local.exec_alone_p50:+.2f} ms", f"<=+{EXEC_P50_OVER_MS:g} ms",
+            ray.exec_alone_p50 - local.exec_alone_p50 <= EXEC_P50_OVER_MS,
         ),
         (
             "exec p99 ms", local.exec_p99, ray.exec_p99,

@@ -29,6 +29,7 @@ import inspect
 import logging
 import os
 import re
+import resource
 import shlex
 import shutil
 import tempfile
@@ -115,6 +116,16 @@ def _flag(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in {"1", "true", "yes", "on"}
     return bool(value)
+
+
+@functools.cache
+def _allow_open_files() -> None:
+    """Raise this process's soft limit of open files to its hard limit, once: each open
+    environment holds a dozen descriptors (pipes, pidfds, /proc files), so a trainer's fleet of
+    a few hundred outgrows the usual soft limit of 1024 while the hard one allows far more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # Variables every shell sets for itself: not something setup.sh chose to export.
@@ -301,6 +312,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     @override
     async def start(self, force_build: bool) -> None:
+        _allow_open_files()
         compose = [name for name in COMPOSE_FILES if (self.environment_dir / name).is_file()]
         if compose:
             raise UnsupportedTask(

@@ -38,8 +38,12 @@ from harbor_hpc.ray.cluster import INSTALL_HINT, ray_missing
 from harbor_hpc.ray.connect import connect
 from harbor_hpc.ray.host import CHUNK_BYTES, EnvironmentHost, EnvironmentSpec, pack, unpack
 
-# How long a call may go unanswered before its host is probed, and the probe may take.
+# How long a call may go unanswered before its host is probed, and how long the probe may
+# take: a lost node or a dead host is Ray's news at once (its calls fail); the probe is for a
+# cluster that stopped answering at all. A host starting a hundred containers on a loaded node
+# can take seconds to answer: only a minute of silence gives it up.
 LIVENESS_SEC = 10.0
+PROBE_TIMEOUT_SEC = 60.0
 # What a command with a timeout gets beyond it to come back, before its host is given up on.
 CALL_GRACE_SEC = 30.0
 STOP_TIMEOUT_SEC = 60.0
@@ -72,8 +76,9 @@ def _host_on(node_id: str) -> tuple[Any, str]:
 
     with _hosts_lock:
         if node_id not in _hosts:
+            nodes = ray.nodes()  # type: ignore[no-untyped-call]
             address = next(
-                (node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id),  # type: ignore[no-untyped-call]
+                (node["NodeManagerAddress"] for node in nodes if node["NodeID"] == node_id),
                 node_id,
             )
             actor = (
@@ -196,6 +201,11 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         """The address of the node the container runs on (once placed)."""
         return self._node
 
+    @property
+    def node_id(self) -> str | None:
+        """The Ray node id of that node (once placed)."""
+        return self._node_id
+
     # -- calls to the host ------------------------------------------------------------
 
     def _unavailable(self, what: str) -> EnvironmentHostUnavailable:
@@ -245,10 +255,10 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
 
         try:
             await asyncio.wait_for(
-                asyncio.wrap_future(self._host.where.remote().future()), LIVENESS_SEC
+                asyncio.wrap_future(self._host.where.remote().future()), PROBE_TIMEOUT_SEC
             )
         except TimeoutError:
-            raise self._unavailable(f"did not answer for {LIVENESS_SEC:g} s") from None
+            raise self._unavailable(f"did not answer for {PROBE_TIMEOUT_SEC:g} s") from None
         except RayError as exc:
             raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
 

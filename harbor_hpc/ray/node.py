@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from types import FrameType
 
+from harbor_hpc.apptainer.runtime import remove_private_dir
 from harbor_hpc.core.files import atomic_write_text
 
 # How often the head looks for Ray's address file, and workers for the head's address.
@@ -84,7 +84,16 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     # Ray SIGKILLs what a dead worker started: an environment host's Apptainer would die before
     # unmounting its images, leaving its FUSE helpers behind. Left alone, each container ends
     # by itself once its host is gone (its command channel closes) and Apptainer cleans up.
-    env = dict(os.environ, RAY_TMPDIR=str(temp_dir), RAY_kill_child_processes_on_worker_exit="0")
+    # The environments' scratch space (TMPDIR of Ray's workers: their hosts' transfers, the
+    # containers' overlays) is in there too, so whatever a killed host left goes with the node.
+    scratch = temp_dir / "tmp"
+    scratch.mkdir()
+    env = dict(
+        os.environ,
+        RAY_TMPDIR=str(temp_dir),
+        TMPDIR=str(scratch),
+        RAY_kill_child_processes_on_worker_exit="0",
+    )
     use_token(env, cluster_dir)
     # Popen, not `core.proc.run` (bounded in time): Ray is this task's service, for the job's life.
     ray: subprocess.Popen[bytes] | None = None
@@ -106,7 +115,7 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
                 ray.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 ray.kill()  # Ray drains for up to 30 s: longer than Slurm's usual KillWait
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        remove_private_dir(temp_dir)  # overlays hold files of the user's subordinate uids
 
 
 if __name__ == "__main__":

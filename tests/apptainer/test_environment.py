@@ -161,9 +161,11 @@ def make_task(
     return task
 
 
-def start_trial(task: Path, trials: Path, *kwargs: str) -> subprocess.Popen[str]:
+def start_trial(
+    task: Path, trials: Path, *kwargs: str, environment: str = ENVIRONMENT
+) -> subprocess.Popen[str]:
     """`harbor trial start` of `task` with the oracle agent, in the background."""
-    command = [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", ENVIRONMENT]
+    command = [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", environment]
     for kwarg in kwargs:
         command += ["--environment-kwarg", kwarg]
     command += ["--trials-dir", str(trials)]

@@ -80,7 +80,10 @@ def test_up_prints_the_address_and_keeps_the_token_private(
     started: tuple[dict[str, Any], subprocess.CompletedProcess[str]], cluster_dir: Path
 ) -> None:
     cluster, up = started
-    assert set(cluster) == {"address", "job_id", "nodes", "cluster_dir", "token_file", "log"}
+    assert set(cluster) == {
+        *("address", "job_id", "nodes", "cluster_dir", "token_file", "log", "joined", "labels")
+    }
+    assert cluster["joined"] is False
     host, _, port = cluster["address"].rpartition(":")
     assert host and port.isdigit()
     token_file = Path(cluster["token_file"])

@@ -203,7 +203,7 @@ PLACED = """
 async def main():
     whole = [make(f"cpu{i}", ray_cpus=1) for i in range(2)]
     await asyncio.gather(*(environment.start(False) for environment in whole))
-    show(nodes=[environment._node_id for environment in whole])
+    show(nodes=[environment.node_id for environment in whole])
     third = make("third", ray_cpus=1, ray_placement_timeout_sec=2)
     try:
         await third.start(False)
@@ -234,3 +234,25 @@ def test_unknown_kwargs_name_both_kinds_accepted(tmp_path: Path) -> None:
     message = str(raised.value)
     assert message.startswith("unknown environment kwargs: ray_cpu; accepted: ")
     assert "ray_cpus" in message and "ray_labels" in message and "fakeroot" in message
+
+
+def test_harbor_trial_start_loads_it_by_import_path_and_scores_the_oracle(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    """As users name it to Harbor's own CLI: `-e harbor_hpc.environment:RaySingularityEnvironment`
+    with kwargs; the verifier's reward comes back from the node (the logs are copied, not
+    mounted)."""
+    from tests.apptainer.test_environment import reward, start_trial, trial_result
+    from tests.support.sample_tasks import make_task
+
+    task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    trial = start_trial(
+        task,
+        tmp_path / "trials",
+        f"ray_cluster_dir={ray_cluster['cluster_dir']}",
+        "ray_cpus=0.5",
+        environment="harbor_hpc.environment:RaySingularityEnvironment",
+    )
+    result = trial_result(task, tmp_path / "trials", trial)
+    assert result["exception_info"] is None, result["exception_info"]
+    assert reward(result) == 1.0

@@ -27,7 +27,7 @@ LABELLED = """
 async def main():
     environments = [make(f"e{i}", ray_labels="role=env") for i in range(3)]
     await asyncio.gather(*(environment.start(False) for environment in environments))
-    show(nodes=sorted({environment._node_id for environment in environments}))
+    show(nodes=sorted({environment.node_id for environment in environments}))
     await asyncio.gather(*(environment.stop(True) for environment in environments))
 """
 
@@ -54,7 +54,7 @@ STARTED_THEN_EXEC = """
 async def main():
     environment = make("fault")
     await environment.start(False)
-    show(node_id=environment._node_id, node=environment.node)
+    show(node_id=environment.node_id, node=environment.node)
     sys.stdin.readline()  # the test breaks something meanwhile
     began = time.monotonic()
     try:
@@ -180,3 +180,22 @@ def test_a_cluster_gone_ends_its_environment_within_seconds(
     assert_ended_naming_the_node(failed["error"], placed)
     assert failed["after"] < 30 and stopped["stopped_after"] < 30
     assert gone_within(15, lambda: container_processes(debian_sif)) == []
+
+
+DIES = """
+async def main():
+    environments = [make(f"d{i}") for i in range(2)]
+    await asyncio.gather(*(environment.start(False) for environment in environments))
+    show(started=len(environments))
+    os._exit(0)  # no stop(): the trainer died
+"""
+
+
+def test_a_driver_that_dies_leaves_nothing_running(
+    own_ray_cluster: Callable[..., RayCluster], debian_sif: Path, tmp_path: Path
+) -> None:
+    cluster = own_ray_cluster()
+    (started,) = lines(drive(DIES, debian_sif, tmp_path, cluster["cluster_dir"]))
+    assert started == {"started": 2}
+    # Ray ends the driver's hosts; each container then ends by itself, its FUSE helpers too.
+    assert gone_within(20, lambda: container_processes(debian_sif)) == []

@@ -1,0 +1,116 @@
+"""A trainer's side on Ray: N rollouts of terminus-2 in one process, their containers on CPU nodes.
+
+    harbor-hpc ray up --nodes 2 --partition cpu --time 240
+    python examples/ray_rollouts.py TASK TRIALS_DIR --api-base http://HOST:8000/v1 \
+        --model hosted_vllm/policy --rollouts 8
+
+An online RL trainer holds its GPU nodes and runs one asyncio loop; here each rollout is one of
+Harbor's own trials (`harbor.trial.trial.Trial`) on that loop, all at once. The agent runs in
+this process (terminus-2 calls the policy's OpenAI-compatible server, asking for token ids and
+log-probs), its container on a node of the Ray cluster `ray up` started, through
+`harbor_hpc.environment:RaySingularityEnvironment`: Ray places each environment where its
+`--ray-cpus` are free, and holds the rest back until they are. The task folder and its image must
+be on a filesystem the Ray nodes share. The API key, if the server wants one, is read from
+OPENAI_API_KEY. Each rollout prints as one line: task, trial, the node its container ran on,
+reward, trainable, and how many tokens the policy produced (mask 1) of how many in its sequences,
+from the same rollout record `harbor-hpc export` writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from harbor.models.trial.config import (
+    AgentConfig,
+    EnvironmentConfig,
+    TaskConfig,
+    TrialConfig,
+)
+from harbor.trial.trial import Trial
+
+from harbor_hpc.results.classify import outcome_of_result
+from harbor_hpc.results.record import RunRecord
+from harbor_hpc.results.rollout import rollout
+
+ENVIRONMENT = "harbor_hpc.environment:RaySingularityEnvironment"
+
+
+async def run_trial(config: TrialConfig) -> tuple[Path, dict[str, Any], str]:
+    """One rollout: its trial folder, its result (Harbor's TrialResult as JSON), and the node
+    its container ran on (address and Ray node id)."""
+    trial = await Trial.create(config)
+    result = await trial.run()
+    environment = trial.agent_environment
+    node = f"{environment.node} node_id={environment.node_id}"
+    return trial.paths.trial_dir, result.model_dump(mode="json"), node
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("task", type=Path)
+    parser.add_argument("trials_dir", type=Path)
+    parser.add_argument("--api-base", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rollouts", type=int, default=1)
+    parser.add_argument("--ray-cpus", type=float, help="CPUs per environment [the task's]")
+    parser.add_argument("--ray-cluster-dir", type=Path, help="ray up's --cluster-dir")
+    args = parser.parse_args()
+    task = args.task.resolve()
+
+    agent_kwargs = {
+        "api_base": args.api_base,
+        "collect_rollout_details": True,  # token ids and log-probs, per model call
+        "record_terminal_session": False,  # no asciinema in the image
+    }
+    environment_kwargs: dict[str, Any] = {}
+    if args.ray_cpus is not None:
+        environment_kwargs["ray_cpus"] = args.ray_cpus
+    if args.ray_cluster_dir is not None:
+        environment_kwargs["ray_cluster_dir"] = str(args.ray_cluster_dir)
+    # One config per rollout: Harbor names each trial when its config is made.
+    configs = [
+        TrialConfig(
+            task=TaskConfig(path=task),
+            trials_dir=args.trials_dir,
+            agent=AgentConfig(name="terminus-2", model_name=args.model, kwargs=agent_kwargs),
+            environment=EnvironmentConfig(import_path=ENVIRONMENT, kwargs=environment_kwargs),
+        )
+        for _ in range(args.rollouts)
+    ]
+    ended = await asyncio.gather(*(run_trial(c) for c in configs))
+
+    # The rollouts as `export` would record them had they run as a harbor-hpc run.
+    record = RunRecord(
+        tasks_root=str(task.parent),
+        tasks=[task.name],
+        agent="terminus-2",
+        model=args.model,
+        agent_kwargs=agent_kwargs,
+        environment=ENVIRONMENT,
+        environment_kwargs=environment_kwargs,
+        options={"attempts": args.rollouts},
+    )
+    for attempt, (trial_dir, result, node) in enumerate(ended):
+        line = rollout(
+            record,
+            task=task.name,
+            attempt=attempt,
+            trial_dir=trial_dir,
+            result=result,
+            outcome=outcome_of_result(result),
+            counts=True,
+        ).line
+        mask = line["mask_ids"] or []
+        print(
+            f"{task.name} #{attempt}: trial={trial_dir.name} node={node} "
+            f"reward={line['reward']} trainable={line['trainable']} "
+            f"policy_tokens={sum(mask)}/{len(mask)}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
