@@ -232,12 +232,12 @@ def up(
         token.symlink_to(options.token_file.resolve())
     else:
         atomic_write_text(token, secrets.token_hex(32) + "\n", mode=0o600)
-    # Nodes already there, when joining: `up` waits for this many more.
-    before = len(_alive(_nodes_at(options.join, modules))) if options.join else 0
     script = cluster_dir / "job.sh"
     atomic_write_text(script, job_script(cluster_dir, options), mode=0o700)
     job_id: str | None = None
     try:
+        # Nodes already there, when joining: `up` waits for this many more.
+        before = len(_alive(_nodes_at(options.join, modules))) if options.join else 0
         job_id = slurm.submit_script(
             script, what="the Ray cluster job", hint="check --partition, --time and --nodes"
         )

@@ -214,3 +214,16 @@ def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> 
     assert not (cluster_dir / "cluster.json").exists()
     assert not (cluster_dir / "token").exists()
     assert not list(cluster_dir.glob("*.address"))
+
+
+def test_join_and_token_file_go_together(tmp_path: Path) -> None:
+    cluster_dir = tmp_path / "cluster"
+    where = ("--cluster-dir", str(cluster_dir))
+    alone = cli("ray", "up", "-N", "1", "--join", "10.0.0.5:6379", *where, check=False)
+    assert alone.returncode == 2
+    assert "joining 10.0.0.5:6379 needs that cluster's token file" in alone.stderr
+    token = tmp_path / "token"
+    token.write_text("0" * 64)
+    stray = cli("ray", "up", "-N", "1", "--token-file", str(token), *where, check=False)
+    assert stray.returncode == 2 and "--token-file goes with --join" in stray.stderr
+    assert not (cluster_dir / "token").exists()
