@@ -7,9 +7,10 @@ cluster and reaches Ray only as that file's path (RAY_AUTH_TOKEN_PATH): never a 
 a log or `--json`, so another user can neither read it nor connect without it.
 
 `up` queues the job (`harbor_hpc.ray.node` on each node), then waits until the head wrote its
-address and every node joined; a job that ends or does not come up in time is cancelled and its
-log named. Nodes are asked of Ray's GCS directly, which any host that reaches the head can do:
-no Ray driver is started.
+address and every node joined (with `join`, the job's nodes join a cluster already running, a
+trainer's, through a link to that cluster's token file, and `down` ends only them); a job
+that ends or does not come up in time is cancelled and its log named. Nodes are asked of Ray's
+GCS directly, which any host that reaches the head can do: no Ray driver is started.
 """
 
 from __future__ import annotations
