@@ -2,7 +2,7 @@
 
     harbor-hpc ray up --nodes 2 --partition cpu --time 240
     python examples/ray_rollouts.py TASK TRIALS_DIR --api-base http://HOST:8000/v1 \
-        --model hosted_vllm/policy --rollouts 8
+        --model openai/policy --rollouts 8
 
 An online RL trainer holds its GPU nodes and runs one asyncio loop; here each rollout is one of
 Harbor's own trials (`harbor.trial.trial.Trial`) on that loop, all at once. The agent runs in

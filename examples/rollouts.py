@@ -1,7 +1,7 @@
 """A trainer's side of harbor-hpc: N rollouts of terminus-2 per task, tokens back in Python.
 
     python examples/rollouts.py TASKS RUN_DIR --api-base http://HOST:8000/v1 \
-        --model hosted_vllm/policy --attempts 8 --concurrency 4
+        --model openai/policy --attempts 8 --concurrency 4
 
 Point `--api-base` at the policy's OpenAI-compatible server (vLLM returns each call's token ids
 and log-probs when asked; terminus-2 asks, since harbor-hpc turns `collect_rollout_details` on).

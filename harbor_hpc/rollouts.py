@@ -4,7 +4,7 @@
 
     lines = run_rollouts(RolloutRequest(
         tasks=Path("tasks"), run_dir=Path("runs/step-0042"), agent="terminus-2",
-        model="hosted_vllm/policy", agent_kwargs={"api_base": "http://10.0.0.5:8000/v1"},
+        model="openai/policy", agent_kwargs={"api_base": "http://10.0.0.5:8000/v1"},
         attempts=8, concurrency=4,
     ))
     for line in lines:                    # one per attempt, schema harbor-hpc/rollout/v2
