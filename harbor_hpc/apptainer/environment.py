@@ -70,10 +70,10 @@ from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.watchdog import (
     MemoryWatchdog,
     kill_processes,
-    namespace_processes,
     process_tree,
     tree_processes,
     wait_gone,
+    whole_container,
 )
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.templates import template_path
@@ -745,9 +745,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         channel, self._channel = self._channel, None
         process, self._process = self._process, None
         # Taken before anything ends: Apptainer's FUSE helpers (squashfuse,
-        # fuse-overlayfs) are its children until it exits, orphans after.
-        tree = tree_processes(process.pid) if process is not None else []
-        tree += namespace_processes(tree)
+        # fuse-overlayfs) are its children until it exits, orphans after. Off the event
+        # loop: a fleet stopping at once would hold it for seconds.
+        tree = await asyncio.to_thread(whole_container, process.pid) if process else []
         if channel is not None and not channel.closed:
             # What the container's other users wrote into the host's folders belongs to the
             # user's subordinate uids there (fakeroot): hand it to the container's root, which

@@ -196,6 +196,13 @@ def namespace_processes(tree: list[psutil.Process]) -> list[psutil.Process]:
     return members
 
 
+def whole_container(root_pid: int) -> list[psutil.Process]:
+    """The container's process tree under `root_pid`, and what left the tree but stays in its
+    mount namespace. Walks /proc: on a node with thousands of processes, tens of ms."""
+    tree = tree_processes(root_pid)
+    return tree + namespace_processes(tree)
+
+
 def kill_processes(processes: list[psutil.Process]) -> None:
     """SIGKILL them all (it cannot be caught, so the order does not matter)."""
     for process in processes:

@@ -8,8 +8,9 @@ accounts for what it holds; the container then runs there in that node's `Enviro
 fidelity and memory watchdog. Commands and files go through Ray calls, files in chunks.
 
 Nothing waits on a host blindly: a call that has not answered within `LIVENESS_SEC` probes its
-host, and a node lost, a host killed or a cluster gone ends the environment with
-`EnvironmentHostUnavailable` naming the node, an infrastructure failure (never trainable).
+host (and, when the host is silent, the cluster about its node), and a node lost, a host killed
+or a cluster gone ends the environment with `EnvironmentHostUnavailable` naming the node, an
+infrastructure failure (never trainable); a host that is only busy is waited for.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ from harbor_hpc.ray.host import CHUNK_BYTES, EnvironmentHost, EnvironmentSpec, p
 
 # How long a call may go unanswered before its host is probed, and how long the probe may
 # take: a lost node or a dead host is Ray's news at once (its calls fail); the probe is for a
-# cluster that stopped answering at all. A host starting a hundred containers on a loaded node
-# can take seconds to answer: only a minute of silence gives it up.
+# cluster that stopped answering at all. The probe has a thread of the host to itself (its
+# concurrency group), yet a host starting a hundred containers on a loaded node can leave it
+# unanswered for most of a minute (Ray runs its workers at niceness 15): a probe unanswered is
+# then put to the cluster, and only a node it no longer counts alive (or no answer from the
+# cluster either) gives the host up.
 LIVENESS_SEC = 10.0
-PROBE_TIMEOUT_SEC = 60.0
+PROBE_TIMEOUT_SEC = 30.0
+PROBE_GROUP = "probe"
 # What a command with a timeout gets beyond it to come back, before its host is given up on.
 CALL_GRACE_SEC = 30.0
 STOP_TIMEOUT_SEC = 60.0
@@ -81,8 +86,10 @@ def _host_on(node_id: str) -> tuple[Any, str]:
                 (node["NodeManagerAddress"] for node in nodes if node["NodeID"] == node_id),
                 node_id,
             )
+            # Ray's typed overloads of remote() leave its documented concurrency_groups out.
+            host = ray.remote(concurrency_groups={PROBE_GROUP: 1})  # type: ignore[call-overload]
             actor = (
-                ray.remote(EnvironmentHost)
+                host(EnvironmentHost)
                 .options(
                     name=f"harbor-hpc-host-{node_id}",
                     get_if_exists=True,
@@ -94,6 +101,14 @@ def _host_on(node_id: str) -> tuple[Any, str]:
             )
             _hosts[node_id] = (actor, address)
         return _hosts[node_id]
+
+
+def _node_alive(node_id: str) -> bool:
+    """Whether the cluster (its GCS) counts the node alive; blocks while it does not answer."""
+    import ray
+
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    return any(node["NodeID"] == node_id and node["Alive"] for node in nodes)
 
 
 def _forget_host(node_id: str) -> None:
@@ -251,16 +266,34 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
 
     async def _probe(self) -> None:
+        """Raises `EnvironmentHostUnavailable` unless the host answers, or the cluster still
+        counts its node alive (a host busy starting containers is slow, not lost)."""
         from ray.exceptions import RayError
 
+        probe = self._host.where.options(concurrency_group=PROBE_GROUP).remote()
         try:
-            await asyncio.wait_for(
-                asyncio.wrap_future(self._host.where.remote().future()), PROBE_TIMEOUT_SEC
-            )
-        except TimeoutError:
-            raise self._unavailable(f"did not answer for {PROBE_TIMEOUT_SEC:g} s") from None
+            await asyncio.wait_for(asyncio.wrap_future(probe.future()), PROBE_TIMEOUT_SEC)
+            return
         except RayError as exc:
             raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
+        except TimeoutError:
+            pass
+        assert self._node_id is not None  # a host is only asked for once placed
+        try:
+            alive = await asyncio.wait_for(
+                asyncio.to_thread(_node_alive, self._node_id), PROBE_TIMEOUT_SEC
+            )
+        except Exception:  # the cluster does not answer either, whatever Ray raises
+            raise self._unavailable(
+                f"did not answer for {PROBE_TIMEOUT_SEC:g} s, nor did the Ray cluster"
+            ) from None
+        if not alive:
+            raise self._unavailable("is no longer alive in the Ray cluster")
+        self.logger.debug(
+            "task %s: the host on %s is slow to answer; its node lives",
+            self.environment_name,
+            self._node,
+        )
 
     # -- start ---------------------------------------------------------------------------
 

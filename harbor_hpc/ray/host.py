@@ -70,7 +70,8 @@ class EnvironmentHost:
         self._logger = logging.getLogger("harbor_hpc.ray.host")
 
     async def where(self) -> str:
-        """The node's name: what errors about this host name (and a cheap liveness probe)."""
+        """The node's name: what errors about this host name, and the liveness probe (in a
+        thread of its own, which a host busy starting containers still answers at once)."""
         return socket.gethostname()
 
     def _environment(self, env_id: str) -> SingularityEnvironment:

@@ -1,12 +1,14 @@
 """Faults and a trainer's cluster: `RaySingularityEnvironment` on Ray clusters of each test's own
 (`own_ray_cluster`; these tests break them). A host killed, a node lost or the cluster gone ends
 the environment with one infrastructure error naming the node within seconds, never a hang, and
-never the driver; environments asking for a label go to the nodes that joined with it.
+never the driver, while a host only busy is waited for; environments asking for a label go to
+the nodes that joined with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,9 @@ import psutil
 import pytest
 
 from tests.ray.conftest import RayCluster
-from tests.ray.test_environment import container_processes, drive, gone_within, lines, next_line
+from tests.ray.test_environment import drive, lines, next_line
 from tests.support.cli import cli, cli_json
+from tests.support.processes import container_processes, gone_within
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -180,6 +183,49 @@ def test_a_cluster_gone_ends_its_environment_within_seconds(
     assert_ended_naming_the_node(failed["error"], placed)
     assert failed["after"] < 30 and stopped["stopped_after"] < 30
     assert gone_within(15, lambda: container_processes(debian_sif)) == []
+
+
+FROZEN = """
+import harbor_hpc.ray.environment as ray_environment
+
+# A probe's timeout of seconds instead of a minute: the test freezes the host for longer.
+ray_environment.LIVENESS_SEC, ray_environment.PROBE_TIMEOUT_SEC = 1.0, 2.0
+
+async def main():
+    environment = make("busy")
+    await environment.start(False)
+    show(node_id=environment.node_id)
+    sys.stdin.readline()  # the test freezes the host meanwhile
+    began = time.monotonic()
+    result = await environment.exec("echo still here", timeout_sec=60)
+    show(stdout=result.stdout, after=time.monotonic() - began)
+    await environment.stop(True)
+"""
+
+
+def test_a_host_too_busy_to_answer_probes_is_waited_for_while_its_node_lives(
+    own_ray_cluster: Callable[..., RayCluster], debian_sif: Path, tmp_path: Path
+) -> None:
+    # A host starting a hundred containers on a loaded node can leave probes unanswered for
+    # most of a minute: a host stopped for several probe timeouts stands in for it.
+    cluster = own_ray_cluster()
+    driver = drive(FROZEN, debian_sif, tmp_path, cluster["cluster_dir"])
+    try:
+        host = host_of(next_line(driver)["node_id"])
+        host.suspend()
+        try:
+            assert driver.stdin is not None
+            driver.stdin.write("go\n")
+            driver.stdin.flush()
+            time.sleep(8)
+        finally:
+            host.resume()
+        answer = next_line(driver)
+        assert answer["stdout"] == "still here\n" and answer["after"] >= 8
+        assert lines(driver) == []
+    finally:
+        driver.kill()
+        driver.communicate()
 
 
 DIES = """
