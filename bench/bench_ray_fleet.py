@@ -13,6 +13,9 @@ bench_fleet.py uses:
 - exec p50 and p99: the latency of `true` run in all N at once, `--rounds` times; and p50
   "alone", one command at a time (the Ray hop's own cost, without the queue for processors
   that N commands at once make on a small machine, where the nodes share the driver's cores);
+- Ray's own call: the same latencies for a call that does nothing (each environment's host
+  answering `where`), N at once and alone: the part of the Ray environments' exec that is the
+  Ray hop, which no environment can go below;
 - driver idle CPU: the CPU of this process alone (not the containers', nor Ray's nodes')
   while all N sit idle (`--idle-sec`, after a few seconds to settle), in % of a core per
   environment; the fixed cost of being a Ray driver is also measured with no environment.
@@ -68,6 +71,8 @@ class Fleet:
     exec_p50: float  # ms
     exec_p99: float  # ms
     exec_alone_p50: float  # ms, one command at a time
+    call_p50: float | None  # ms, a Ray call doing nothing, N at once (None: local)
+    call_alone_p50: float | None  # ms, the same one at a time
     driver_cpu: float  # % of a core per environment
     ray_nodes: int | None  # the Ray nodes the fleet ran on (None: local)
     left: int  # processes still running after stop
@@ -159,6 +164,13 @@ async def on_hosts(
     return {node: await asyncio.wrap_future(ref.future()) for node, ref in refs.items()}
 
 
+async def timed_call(environment: RaySingularityEnvironment) -> float:
+    """A Ray call to the environment's host that does nothing there: the Ray hop alone."""
+    began = time.perf_counter()
+    await asyncio.wrap_future(environment._host.where.remote().future())
+    return time.perf_counter() - began
+
+
 async def measure(
     sif: Path, size: int, idle_sec: float, rounds: int, memory_mb: int, **ray_kwargs: Any
 ) -> Fleet:
@@ -186,6 +198,10 @@ async def measure(
                 latencies += await asyncio.gather(*(timed_exec(env) for env in environments))
             # One at a time: what the hop itself costs, without the processors' queue.
             alone = [await timed_exec(env) for env in environments[:16] for _ in range(rounds)]
+            calls = []
+            for _ in range(rounds if remote else 0):
+                calls += await asyncio.gather(*(timed_call(env) for env in remote))
+            calls_alone = [await timed_call(env) for env in remote[:16] for _ in range(rounds)]
         finally:
             nodes = {env.node_id for env in remote if env.node_id is not None}
             hosts = {
@@ -207,6 +223,8 @@ async def measure(
         exec_p50=percentile(latencies, 0.5) * 1000,
         exec_p99=percentile(latencies, 0.99) * 1000,
         exec_alone_p50=percentile(alone, 0.5) * 1000,
+        call_p50=percentile(calls, 0.5) * 1000 if remote else None,
+        call_alone_p50=percentile(calls_alone, 0.5) * 1000 if remote else None,
         driver_cpu=cpu,
         ray_nodes=len(nodes) if remote else None,
         left=len(left) + sum(remote_left.values()),
@@ -245,6 +263,15 @@ def print_fleet(size: int, local: Fleet, ray: Fleet | str, ray_nodes: int) -> No
     for key, mine, theirs, versus, goal, met in rows:
         verdict = "" if met is None else ("  ok" if met else "  MISSED")
         print(f"  {key:22}{mine:10.3f}{theirs:10.3f}{versus:>14}{goal:>10}{verdict}")
+    for key, call, exec_p50, local_p50 in (
+        ("Ray no-op call p50 ms", ray.call_p50, ray.exec_p50, local.exec_p50),
+        ("  alone ms", ray.call_alone_p50, ray.exec_alone_p50, local.exec_alone_p50),
+    ):
+        if call is not None:  # how much of the exec's excess over local is the Ray hop itself
+            print(
+                f"  {key:22}{'':10}{call:10.3f}   exec over local less this: "
+                f"{exec_p50 - local_p50 - call:+.2f} ms"
+            )
     spread = "" if (ray.ray_nodes or 0) >= 2 else "  MISSED: fewer than two"
     print(f"  the Ray environments ran on {ray.ray_nodes} of the {ray_nodes} Ray nodes{spread}")
     for name, fleet in (("local", local), ("ray", ray)):

@@ -35,6 +35,7 @@ from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, 
 from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import process_tree
+from tests.support.processes import container_processes, gone_within
 from tests.support.users import other_user_command
 
 HARBOR = str(Path(sys.executable).parent / "harbor")
@@ -212,16 +213,6 @@ def host_pid(root: int, container_pid: int) -> int:
     raise AssertionError(f"no process {container_pid} in the container under {root}")
 
 
-def leftover_processes(sif: Path) -> list[str]:
-    """Apptainer processes of this test's image still running, and stray FUSE helpers."""
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if str(sif) in cmdline:
-            found.append(f"{process.pid}: {cmdline}")
-    return found
-
-
 @dataclass(frozen=True)
 class OracleTrial:
     folder: Path  # the trial's folder under the trials dir
@@ -274,7 +265,7 @@ def test_oracle_plain_task(oracle_trials: dict[str, OracleTrial], debian_sif: Pa
     assert reward(trial.result) == 1.0
     # Root in the container, but what the trial left on the host is the user's.
     assert {path.stat().st_uid for path in trial.folder.rglob("*")} == {os.getuid()}
-    assert not leftover_processes(debian_sif)
+    assert gone_within(10, lambda: container_processes(debian_sif)) == []
 
 
 @pytest.mark.apptainer
@@ -332,7 +323,7 @@ def test_memory_hog_is_killed_and_reported(debian_sif: Path, tmp_path: Path) -> 
     assert "memory" in message and "512 MB" in message and "486 MB" in message
     peak = int(message.split("peak of ")[1].split(" MB")[0])
     assert 486 < peak < 486 * 1.5
-    assert not leftover_processes(debian_sif)
+    assert gone_within(10, lambda: container_processes(debian_sif)) == []
 
 
 # -- the environment's promises, driven directly ---------------------------------
@@ -510,7 +501,7 @@ def test_container_ends_when_its_host_dies(debian_sif: Path, tmp_path: Path) -> 
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()  # whatever failed the test is not left behind
     assert left == []
-    assert not leftover_processes(debian_sif)
+    assert gone_within(10, lambda: container_processes(debian_sif)) == []
 
 
 OTHER_USER_PROBE = """
@@ -597,7 +588,7 @@ def test_image_with_neither_python_nor_bash_fails_clearly(tiny_sif: Path, tmp_pa
     environment = make_environment(str(tiny_sif), tmp_path)
     with pytest.raises(ContainerStartFailed, match="neither python3 nor bash"):
         asyncio.run(environment.start(force_build=False))
-    assert not leftover_processes(tiny_sif)
+    assert gone_within(10, lambda: container_processes(tiny_sif)) == []
 
 
 @pytest.mark.apptainer
@@ -614,4 +605,4 @@ def test_setup_script_failure_raises_with_output(debian_sif: Path, tmp_path: Pat
         assert environment.process_pid is None
 
     asyncio.run(main())
-    assert not leftover_processes(debian_sif)
+    assert gone_within(10, lambda: container_processes(debian_sif)) == []

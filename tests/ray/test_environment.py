@@ -14,18 +14,16 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from harbor_hpc.apptainer.errors import ContainerStartFailed
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.ray.host import CHUNK_BYTES
 from tests.ray.conftest import RayCluster
+from tests.support.processes import container_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -85,30 +83,6 @@ def next_line(driver: subprocess.Popen[str]) -> dict[str, Any]:
             answer: dict[str, Any] = json.loads(line)
             return answer
     raise AssertionError(f"the driver ended: {driver.communicate()[1][-3000:]}")
-
-
-FUSE_HELPERS = {"squashfuse", "squashfuse_ll", "fuse-overlayfs"}
-
-
-def container_processes(sif: Path) -> list[int]:
-    """This user's processes of containers of `sif`, with any FUSE helper of Apptainer's (their
-    command lines name the image by a descriptor, not its path)."""
-    return [
-        process.pid
-        for process in psutil.process_iter(["cmdline", "name", "uids"])
-        if process.info["uids"].real == os.getuid()
-        and (
-            str(sif) in " ".join(process.info["cmdline"] or [])
-            or process.info["name"] in FUSE_HELPERS
-        )
-    ]
-
-
-def gone_within(seconds: float, still: Callable[[], list[int]]) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while still() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return still()
 
 
 # -- what the environment does, on the shared cluster --------------------------------------
