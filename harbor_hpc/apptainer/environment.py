@@ -747,7 +747,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         # Taken before anything ends: Apptainer's FUSE helpers (squashfuse,
         # fuse-overlayfs) are its children until it exits, orphans after. Off the event
         # loop: a fleet stopping at once would hold it for seconds.
-        tree = await asyncio.to_thread(whole_container, process.pid) if process else []
+        tree = [] if process is None else await asyncio.to_thread(whole_container, process.pid)
         if channel is not None and not channel.closed:
             # What the container's other users wrote into the host's folders belongs to the
             # user's subordinate uids there (fakeroot): hand it to the container's root, which

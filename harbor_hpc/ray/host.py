@@ -70,8 +70,8 @@ class EnvironmentHost:
         self._logger = logging.getLogger("harbor_hpc.ray.host")
 
     async def where(self) -> str:
-        """The node's name: what errors about this host name, and the liveness probe (in a
-        thread of its own, which a host busy starting containers still answers at once)."""
+        """The node's name: the liveness probe, run in a thread of its own (the `probe`
+        concurrency group), not queued behind the environments' calls."""
         return socket.gethostname()
 
     def _environment(self, env_id: str) -> SingularityEnvironment:
