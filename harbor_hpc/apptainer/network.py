@@ -23,7 +23,10 @@ SLIRP4NETNS = "slirp4netns"
 TUN = "/dev/net/tun"
 # slirp4netns's DNS forwarder inside the container's network.
 RESOLV_CONF = "nameserver 10.0.2.3\n"
-READY_TIMEOUT_SEC = 10.0
+# How long slirp4netns may take to configure the container's network (it fails by exiting,
+# at once): it comes up in milliseconds, but a node starting a hundred containers at once (a
+# Ray node's, whose processes run at niceness 15) was seen to take more than ten seconds.
+READY_TIMEOUT_SEC = 60.0
 ADMIN_HINT = (
     "an admin installs slirp4netns and makes /dev/net/tun readable and writable by users "
     "(mode 666, as most distributions ship it)"
