@@ -4,9 +4,11 @@
 and `Ran.why()` gives the one line a message or a table cell needs. Callers that must stop on a
 failure turn that line into a `HarborHpcError` naming what they were doing.
 
-`stop_all` ends every tool still running (and what each started), and lets no new one start: a
-command told to stop (SIGTERM from `scancel`, `kill`, a shutdown) leaves no `apptainer` or
-`mksquashfs` behind, and its threads go through their own clean-up (temporary files) at once.
+`stop_all` ends every tool still running (and what each started), and lets no new one start
+but the clean-ups the stop calls for (`cleanup=True`: the `scancel` of a job the command
+submitted): a command told to stop (SIGTERM from `scancel`, `kill`, a shutdown) leaves no
+`apptainer`, `mksquashfs` or Slurm job of its own behind, and its threads go through their own
+clean-up (temporary files) at once.
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ def run(
     timeout: float = QUICK_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
     input: str | None = None,
+    cleanup: bool = False,
 ) -> Ran:
-    """Run `command` to its end or to `timeout` seconds, capturing its output as text."""
+    """Run `command` to its end or to `timeout` seconds, capturing its output as text; once
+    `stop_all` was called, only a `cleanup`."""
     log.info("$ %s", " ".join(command))
-    if _stopping.is_set():
+    if _stopping.is_set() and not cleanup:
         return Ran(tuple(command), -1, "", "", f"not started: {STOPPED}")
     try:
         # A session of its own, so that a timeout or an interrupt stops the tool and whatever

@@ -97,12 +97,12 @@ def require_sbatch(what: str, *, hint: str) -> None:
         raise SlurmError(f"{what}, but sbatch is not on PATH", hint=hint)
 
 
-def _query(command: list[str], *, timeout: float, hint: str) -> Ran:
-    """Run a Slurm query to its end or `timeout`; a command not on PATH raises, a failure is
-    returned for the caller to judge."""
+def _query(command: list[str], *, timeout: float, hint: str, cleanup: bool = False) -> Ran:
+    """Run a Slurm query to its end or `timeout` (a `cleanup` even once told to stop); a
+    command not on PATH raises, a failure is returned for the caller to judge."""
     if shutil.which(command[0]) is None:
         raise SlurmError(f"{command[0]} is not on PATH", hint=hint)
-    return run(command, timeout=timeout)
+    return run(command, timeout=timeout, cleanup=cleanup)
 
 
 def _failed(ran: Ran, hint: str) -> SlurmError:
@@ -436,8 +436,9 @@ def job_state(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
 
 
 def cancel(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> None:
-    """End one job of the user's; one that already left the queue is not an error."""
+    """End one job of the user's; one that already left the queue is not an error. Also in a
+    command told to stop: ending its own job is the stop's clean-up."""
     hint = f"try `scancel {job_id}` by hand; {CONTROLLER_HINT}"
-    ran = _query(["scancel", job_id], timeout=timeout, hint=hint)
+    ran = _query(["scancel", job_id], timeout=timeout, hint=hint, cleanup=True)
     if not ran.ok and (ran.error or "Invalid job id" not in ran.stderr):
         raise _failed(ran, hint)

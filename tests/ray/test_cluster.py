@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -214,6 +215,30 @@ def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> 
     assert not (cluster_dir / "cluster.json").exists()
     assert not (cluster_dir / "token").exists()
     assert not list(cluster_dir.glob("*.address"))
+
+
+def test_up_told_to_stop_while_waiting_cancels_its_job(tmp_path: Path) -> None:
+    # Three nodes of a one-node partition: the job waits in the queue for good.
+    cluster_dir = tmp_path / "cluster"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "harbor_hpc", "ray", "up", "--nodes", "3",
+         "--cluster-dir", str(cluster_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert up.stderr is not None
+        queued = up.stderr.readline()
+        assert queued.startswith("Slurm job "), queued + up.stderr.read()
+        job_id = queued.split()[2].rstrip(":")
+        up.send_signal(signal.SIGTERM)  # `kill`, `timeout`, or the scancel of a job running it
+        _, err = up.communicate(timeout=60)
+    finally:
+        up.kill()
+    assert up.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err and "error" not in err
+    assert job_state(job_id) in (None, "COMPLETING", "CANCELLED")
+    assert not (cluster_dir / "token").exists()
+    assert not (cluster_dir / "cluster.json").exists()
 
 
 def test_join_and_token_file_go_together(tmp_path: Path) -> None:
