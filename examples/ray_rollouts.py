@@ -10,16 +10,18 @@ this process (terminus-2 calls the policy's OpenAI-compatible server, asking for
 log-probs), its container on a node of the Ray cluster `ray up` started, through
 `harbor_hpc.environment:RaySingularityEnvironment`: Ray places each environment where its
 `--ray-cpus` are free, and holds the rest back until they are. The task folder and its image must
-be on a filesystem the Ray nodes share. The API key, if the server wants one, is read from
-OPENAI_API_KEY. Each rollout prints as one line: task, trial, the node its container ran on,
-reward, trainable, and how many tokens the policy produced (mask 1) of how many in its sequences,
-from the same rollout record `harbor-hpc export` writes.
+be on a filesystem the Ray nodes share. The API key is read from OPENAI_API_KEY: litellm wants
+one even when the server checks none (any value does then). Each rollout prints as one line:
+task, trial, the node its container ran on, reward, trainable, and how many tokens the policy
+produced (mask 1) of how many in its sequences, from the same rollout record `harbor-hpc export`
+writes; a rollout that failed adds its failure class and message, and the example then exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,7 @@ async def run_trial(config: TrialConfig) -> tuple[Path, dict[str, Any], str]:
     return trial.paths.trial_dir, result.model_dump(mode="json"), node
 
 
-async def main() -> None:
+async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task", type=Path)
     parser.add_argument("trials_dir", type=Path)
@@ -93,24 +95,29 @@ async def main() -> None:
         environment_kwargs=environment_kwargs,
         options={"attempts": args.rollouts},
     )
+    failed = 0
     for attempt, (trial_dir, result, node) in enumerate(ended):
+        outcome = outcome_of_result(result)
         line = rollout(
             record,
             task=task.name,
             attempt=attempt,
             trial_dir=trial_dir,
             result=result,
-            outcome=outcome_of_result(result),
+            outcome=outcome,
             counts=True,
         ).line
         mask = line["mask_ids"] or []
+        failure = f" failed={outcome.failure}: {outcome.message}" if outcome.failure else ""
+        failed += outcome.failure is not None
         print(
             f"{task.name} #{attempt}: trial={trial_dir.name} node={node} "
             f"reward={line['reward']} trainable={line['trainable']} "
-            f"policy_tokens={sum(mask)}/{len(mask)}",
+            f"policy_tokens={sum(mask)}/{len(mask)}{failure}",
             flush=True,
         )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))

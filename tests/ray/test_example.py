@@ -97,3 +97,20 @@ def test_two_rollouts_of_one_trainer_process_run_on_two_ray_nodes(
         (_, first, _), (last_prompt, last, _) = recorded(trials / line["trial"])
         assert int(line["policy"]) == len(first) + len(last)
         assert int(line["total"]) == len(last_prompt) + len(last)
+
+
+def test_a_rollout_that_failed_says_why_and_the_example_exits_1(tmp_path: Path) -> None:
+    # No Ray cluster to run on: each environment fails to start, an infrastructure failure.
+    task = make_task(tmp_path / "tasks", "answer", image=str(tmp_path / "unused.sif"))
+    env = {**os.environ, "OPENAI_API_KEY": "unused", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    env.pop("RAY_ADDRESS", None)
+    example = subprocess.run(
+        [sys.executable, str(EXAMPLE), str(task), str(tmp_path / "trials"),
+         "--api-base", "http://127.0.0.1:9/v1", "--model", "openai/policy",
+         "--ray-cluster-dir", str(tmp_path / "no-cluster")],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert example.returncode == 1, example.stderr[-3000:]
+    (line,) = example.stdout.splitlines()
+    assert "reward=None trainable=False" in line
+    assert "failed=infrastructure: " in line and "no Ray cluster to run environments on" in line
