@@ -19,6 +19,10 @@ from harbor_hpc.core.proc import stop_all
 def main() -> None:
     """Run the CLI; user errors become one clear message and an exit code, never a traceback."""
     signal.signal(signal.SIGTERM, _terminated)
+    # A terminal closed under a waiting command (an ssh session gone) ends it as `kill` does,
+    # cleaning up; under `nohup` the hangup stays ignored.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _terminated)
     try:
         app()
     except HarborHpcError as exc:
@@ -56,8 +60,9 @@ def _internal(exc: Exception) -> NoReturn:
 
 
 def _terminated(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM (`kill`, `scancel`, a shutdown): end the tools under way, let each step clean
-    up after itself (temporary files, locks), and exit as a terminated process does."""
+    """SIGTERM (`kill`, `scancel`, a shutdown) or SIGHUP (its terminal gone): end the tools
+    under way, let each step clean up after itself (temporary files, locks, a Slurm job it
+    still waits for), and exit as a terminated process does."""
     stop_all()
     console.print("[red]terminated[/]")
     sys.exit(128 + signum)

@@ -217,7 +217,11 @@ def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> 
     assert not list(cluster_dir.glob("*.address"))
 
 
-def test_up_told_to_stop_while_waiting_cancels_its_job(tmp_path: Path) -> None:
+# `kill`, `timeout` or the scancel of a job running it; the terminal it waits in closed.
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])
+def test_up_told_to_stop_while_waiting_cancels_its_job(
+    stop: signal.Signals, tmp_path: Path
+) -> None:
     # Three nodes of a one-node partition: the job waits in the queue for good.
     cluster_dir = tmp_path / "cluster"
     up = subprocess.Popen(
@@ -230,11 +234,11 @@ def test_up_told_to_stop_while_waiting_cancels_its_job(tmp_path: Path) -> None:
         queued = up.stderr.readline()
         assert queued.startswith("Slurm job "), queued + up.stderr.read()
         job_id = queued.split()[2].rstrip(":")
-        up.send_signal(signal.SIGTERM)  # `kill`, `timeout`, or the scancel of a job running it
+        up.send_signal(stop)
         _, err = up.communicate(timeout=60)
     finally:
         up.kill()
-    assert up.returncode == 128 + signal.SIGTERM, err
+    assert up.returncode == 128 + stop, err
     assert "terminated" in err and "error" not in err
     assert job_state(job_id) in (None, "COMPLETING", "CANCELLED")
     assert not (cluster_dir / "token").exists()
