@@ -36,6 +36,9 @@ def main() -> None:
         stop_all()
         console.print("[red]interrupted[/]")
         sys.exit(130)
+    except _Terminated as exc:  # said here, not in the handler: it may interrupt a print
+        console.print("[red]terminated[/]")
+        sys.exit(exc.code)
     except Exception as exc:
         _internal(exc)
 
@@ -59,10 +62,13 @@ def _internal(exc: Exception) -> NoReturn:
     sys.exit(1)
 
 
+class _Terminated(SystemExit):
+    """Raised by the handler of SIGTERM and SIGHUP: through every step's clean-up to `main`."""
+
+
 def _terminated(signum: int, frame: FrameType | None) -> None:
     """SIGTERM (`kill`, `scancel`, a shutdown) or SIGHUP (its terminal gone): end the tools
     under way, let each step clean up after itself (temporary files, locks, a Slurm job it
     still waits for), and exit as a terminated process does."""
     stop_all()
-    console.print("[red]terminated[/]")
-    sys.exit(128 + signum)
+    raise _Terminated(128 + signum)
