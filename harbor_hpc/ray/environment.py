@@ -37,13 +37,20 @@ from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
 from harbor_hpc.ray.cluster import INSTALL_HINT, ray_missing
 from harbor_hpc.ray.connect import connect
-from harbor_hpc.ray.host import CHUNK_BYTES, EnvironmentHost, EnvironmentSpec, pack, unpack
+from harbor_hpc.ray.host import (
+    CHUNK_BYTES,
+    EnvironmentHost,
+    EnvironmentSpec,
+    ExecRequest,
+    pack,
+    unpack,
+)
 
 # How long a call may go unanswered before its host is probed, and how long the probe may
 # take: a lost node or a dead host is Ray's news at once (its calls fail); the probe is for a
 # cluster that stopped answering at all. The probe has a thread of the host to itself (its
 # concurrency group), yet a host starting a hundred containers on a loaded node can leave it
-# unanswered for most of a minute (Ray runs its workers at niceness 15): a probe unanswered is
+# unanswered for most of a minute (seen at Ray's default worker niceness, 15): a probe unanswered is
 # then put to the cluster, and only a node it no longer counts alive (or no answer from the
 # cluster either) gives the host up.
 LIVENESS_SEC = 10.0
@@ -369,12 +376,10 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
     ) -> ExecResult:
         if self._host is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
-        stdout, stderr, code = await self._call(
-            self._host.exec.remote(
-                self._id, command, cwd, self._merge_env(env), timeout_sec, self._resolve_user(user)
-            ),
-            timeout_sec,
+        request = ExecRequest(
+            self._id, command, cwd, self._merge_env(env), timeout_sec, self._resolve_user(user)
         )
+        stdout, stderr, code = await self._call(self._host.exec.remote(request), timeout_sec)
         callback = self._output_callback()
         if callback is not None:  # the output as a whole: it is not streamed from the node
             for text, stream in ((stdout, "stdout"), (stderr, "stderr")):

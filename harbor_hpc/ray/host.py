@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from harbor.environments.base import transfer_tar_filter
 from harbor.models.task.config import EnvironmentConfig
@@ -44,6 +44,18 @@ class EnvironmentSpec:
     session_id: str
     task_env_config: EnvironmentConfig
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class ExecRequest(NamedTuple):
+    """A command for one environment, as one argument of the call: Ray serializes each
+    argument on its own, and six cost a concurrent call a fifth more than one."""
+
+    env_id: str
+    command: str
+    cwd: str | None
+    env: dict[str, str] | None
+    timeout_sec: int | None
+    user: str | int | None
 
 
 def pack(source: Path, archive: BinaryIO) -> None:
@@ -103,16 +115,8 @@ class EnvironmentHost:
             del self._environments[env_id]
             raise
 
-    async def exec(
-        self,
-        env_id: str,
-        command: str,
-        cwd: str | None,
-        env: dict[str, str] | None,
-        timeout_sec: int | None,
-        user: str | int | None,
-    ) -> tuple[str | None, str | None, int]:
-        result = await self._environment(env_id).exec(command, cwd, env, timeout_sec, user)
+    async def exec(self, request: ExecRequest) -> tuple[str | None, str | None, int]:
+        result = await self._environment(request.env_id).exec(*request[1:])
         return result.stdout, result.stderr, result.return_code
 
     def _transfer(self, transfer_id: str) -> Path:
