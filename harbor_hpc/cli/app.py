@@ -95,7 +95,7 @@ VerboseOption = Annotated[
     int, typer.Option("--verbose", "-v", count=True, help="More detail: -v info, -vv debug.")
 ]
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # one line per message, in logs too
 stdout = Console(soft_wrap=True)
 _verbosity = 0
 
