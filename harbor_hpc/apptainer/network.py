@@ -25,7 +25,7 @@ TUN = "/dev/net/tun"
 RESOLV_CONF = "nameserver 10.0.2.3\n"
 # How long slirp4netns may take to configure the container's network (it fails by exiting,
 # at once): it comes up in milliseconds, but a node starting a hundred containers at once (a
-# Ray node's, whose processes run at niceness 15) was seen to take more than ten seconds.
+# Ray node's, its processes at Ray's default niceness 15) was seen to take more than ten seconds.
 READY_TIMEOUT_SEC = 60.0
 ADMIN_HINT = (
     "an admin installs slirp4netns and makes /dev/net/tun readable and writable by users "

@@ -88,7 +88,7 @@ def next_line(driver: subprocess.Popen[str]) -> dict[str, Any]:
 # -- what the environment does, on the shared cluster --------------------------------------
 
 SAME_AS_LOCAL = """
-COMMANDS = ["id -u", "pwd", "echo $HOME", "touch /etc/x && echo writable", "ls /logs"]
+COMMANDS = ["id -u", "pwd", "echo $HOME", "touch /etc/x && echo writable", "ls /logs", "nice"]
 
 async def main():
     from harbor_hpc.apptainer.environment import SingularityEnvironment
@@ -122,6 +122,7 @@ def test_commands_answer_as_in_the_local_environment(
     (answer,) = lines(drive(SAME_AS_LOCAL, debian_sif, tmp_path, ray_cluster["cluster_dir"]))
     assert answer["remote"] == answer["local"]
     assert answer["remote"][0] == ["0\n", 0]  # root in the container, as in Docker
+    assert answer["remote"][-1] == ["0\n", 0]  # niceness 0, as in Docker (Ray's default: 15)
     assert answer["env"] == "1-two words\n"
     assert answer["user"] == "nobody\n"
     assert answer["timeout"] == "RuntimeError: Command timed out after 1 seconds"
