@@ -29,7 +29,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import find_apptainer, remove_private_dir
+from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.apptainer.sif import raw_config, write_image_config
 from harbor_hpc.apptainer.store import (
     CONVERT_TIMEOUT_S,
@@ -130,7 +131,8 @@ class ApptainerBuilder(Builder):
         if problems:
             shown = "; ".join(f"line {p.line}: {p.text}" for p in problems)
             raise ImageFailed(f"{dockerfile_path}: {shown}: {_UNTRANSLATABLE}")
-        work = Path(tempfile.mkdtemp(prefix=f"harbor-hpc-build-{image.name}-", dir=self.scratch))
+        private = PrivateDir("harbor-hpc-build-", self.scratch, name=f"{image.name}-")
+        work = private.path
         try:
             try:
                 definition = write_definition(dockerfile, image.build_dir, work / "ctx", bases)
@@ -147,7 +149,7 @@ class ApptainerBuilder(Builder):
             record.sif_sha256 = store_built(built, final, origin)
             record.sif = str(final)
         finally:
-            remove_private_dir(work)
+            private.remove()
         return ImageAction.BUILT_SIF
 
     def _bases(

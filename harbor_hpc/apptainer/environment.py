@@ -32,7 +32,6 @@ import re
 import resource
 import shlex
 import shutil
-import tempfile
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -62,10 +61,10 @@ from harbor_hpc.apptainer.network import RESOLV_CONF, OwnNetwork, own_network_pr
 from harbor_hpc.apptainer.probes import install_problem
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
-    remove_private_dir,
     run_flags,
     task_container_command,
 )
+from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.watchdog import (
     MemoryWatchdog,
@@ -224,7 +223,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self.workdir = self._workdir_kwarg or self.task_env_config.workdir or DEFAULT_WORKDIR
         self.sif_path: Path | None = None
         self.image = ImageConfig()
-        self._private_dir: Path | None = None
+        self._scratch: PrivateDir | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._channel: Channel | None = None
         self._watchdog: MemoryWatchdog | None = None
@@ -268,6 +267,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     def process_pid(self) -> int | None:
         """The host pid at the root of the container's process tree (while it runs)."""
         return self._process.pid if self._process is not None else None
+
+    @property
+    def _private_dir(self) -> Path | None:
+        """The trial's private folder on the host (while the environment runs)."""
+        return self._scratch.path if self._scratch is not None else None
 
     @property
     def staging_host_dir(self) -> Path | None:
@@ -342,15 +346,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         await self._upload_environment_dir_after_start()
 
     def _prepare_scratch(self) -> None:
-        # mkdtemp makes the folder 0700: other users cannot enter it, whatever is inside.
+        # The folder is 0700: other users cannot enter it, whatever is inside.
         if self._scratch_root is not None:
             self._scratch_root.mkdir(parents=True, exist_ok=True)
-        self._private_dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-env-", dir=self._scratch_root))
-        (self._private_dir / "overlay").mkdir()
-        (self._private_dir / "tmp").mkdir()
-        (self._private_dir / "resolv.conf").write_text(RESOLV_CONF)
-        (self._private_dir / "resolv.conf").chmod(0o644)  # apt's `_apt` resolves names too
-        staging = self._private_dir / "staging"
+        self._scratch = PrivateDir("harbor-hpc-env-", self._scratch_root)
+        private = self._scratch.path
+        (private / "overlay").mkdir()
+        (private / "tmp").mkdir()
+        (private / "resolv.conf").write_text(RESOLV_CONF)
+        (private / "resolv.conf").chmod(0o644)  # apt's `_apt` resolves names too
+        staging = private / "staging"
         server_dir = staging / ".hh"
         for folder in (staging, server_dir, server_dir / "req", server_dir / "out"):
             folder.mkdir()
@@ -773,10 +778,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._stderr_task
             self._stderr_task = None
-        if self._private_dir is not None:
-            if not await asyncio.to_thread(remove_private_dir, self._private_dir):
-                self.logger.warning("could not remove all of %s", self._private_dir)
-            self._private_dir = None
+        if self._scratch is not None:
+            if not await asyncio.to_thread(self._scratch.remove):
+                self.logger.warning("could not remove all of %s", self._scratch.path)
+            self._scratch = None
         # The .sif stays: it is the shared cache, whatever `delete` says.
 
     async def _end_process(

@@ -31,9 +31,9 @@ from harbor_hpc.apptainer.runtime import (
     PROBE_TIMEOUT_S,
     find_apptainer,
     first_that_runs,
-    remove_private_dir,
     task_container_command,
 )
+from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import file_lock
 from harbor_hpc.core.probe import Finding, Status, current_user
@@ -273,7 +273,8 @@ def exec_finding(image: Path) -> Finding:
 def task_container_finding(image: Path) -> Finding:
     """The task container as the environment starts it: root inside, writing its image through
     an overlay on the scratch space ($TMPDIR), in a network namespace of its own."""
-    scratch = Path(tempfile.mkdtemp(prefix="harbor-hpc-doctor-"))
+    private = PrivateDir("harbor-hpc-doctor-")
+    scratch = private.path
     try:
         (scratch / "overlay").mkdir()
         command = task_container_command(
@@ -285,7 +286,7 @@ def task_container_finding(image: Path) -> Finding:
         )
         attempt = run(command, timeout=PROBE_TIMEOUT_S)
     finally:
-        remove_private_dir(scratch)
+        private.remove()
     if attempt.ok:
         return Finding(
             "task container",

@@ -161,19 +161,3 @@ def task_container_command(
         str(sif),
         *command,
     ]
-
-
-def remove_private_dir(folder: Path) -> bool:
-    """Remove a trial's private folder; True when it is gone.
-
-    Files the container's other users made in the overlay (apt's `_apt`, a task's `USER`) belong
-    to the user's subordinate uids on the host, which only a user namespace holding the same
-    mapping can delete: `unshare --map-auto` makes one without starting a container.
-    """
-    shutil.rmtree(folder, ignore_errors=True)
-    if folder.exists() and shutil.which("unshare"):
-        run(
-            ["unshare", "--map-root-user", "--map-auto", "rm", "-rf", "--", str(folder)],
-            timeout=300,
-        )
-    return not folder.exists()

@@ -16,13 +16,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from types import FrameType
 
-from harbor_hpc.apptainer.runtime import remove_private_dir
+from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.core.files import atomic_write_text
 
 # How often the head looks for Ray's address file, and workers for the head's address.
@@ -80,7 +79,8 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     job_id = os.environ["SLURM_JOB_ID"]
     head = join is None and os.environ.get("SLURM_PROCID", "0") == "0"
     own = [f"--labels={labels}"] if labels else []
-    temp_dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-ray-"))  # 0700, node-local
+    private = PrivateDir("harbor-hpc-ray-")  # 0700, node-local
+    temp_dir = private.path
     # Ray SIGKILLs what a dead worker started: an environment host's Apptainer would die before
     # unmounting its images, leaving its FUSE helpers behind. Left alone, each container ends
     # by itself once its host is gone (its command channel closes) and Apptainer cleans up.
@@ -93,6 +93,10 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
         RAY_TMPDIR=str(temp_dir),
         TMPDIR=str(scratch),
         RAY_kill_child_processes_on_worker_exit="0",
+        # Ray runs its workers at niceness 15 by default; the containers would then run at 15
+        # where Docker runs them at 0 (a task sees it), and lose every processor to the
+        # node's other work. At 0 they share as in a Slurm job or Docker.
+        RAY_worker_niceness="0",
     )
     use_token(env, cluster_dir)
     # Popen, not `core.proc.run` (bounded in time): Ray is this task's service, for the job's life.
@@ -115,7 +119,7 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
                 ray.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 ray.kill()  # Ray drains for up to 30 s: longer than Slurm's usual KillWait
-        remove_private_dir(temp_dir)  # overlays hold files of the user's subordinate uids
+        private.remove()  # overlays hold files of the user's subordinate uids
 
 
 if __name__ == "__main__":

@@ -468,6 +468,8 @@ async def main():
         logger=logging.getLogger("crash"), scratch_dir=folder / "scratch",
     )
     await environment.start(force_build=False)
+    # Files of another user of the container: the host's subordinate uids own them.
+    await environment.exec("mkdir /tmp/theirs && touch /tmp/theirs/f && chown -R 65534 /tmp/theirs")
     await environment.exec("(setsid sleep 600 >/dev/null 2>&1 </dev/null & echo $! > /tmp/d)")
     inside = (await environment.exec("cat /tmp/d")).stdout.strip()
     def container_pid(pid):  # the container has a pid namespace of its own
@@ -484,7 +486,9 @@ asyncio.run(main())
 
 @pytest.mark.apptainer
 @pytest.mark.docker
-def test_container_ends_when_its_host_dies(debian_sif: Path, tmp_path: Path) -> None:
+def test_container_ends_when_its_host_dies_and_the_next_removes_its_folder(
+    debian_sif: Path, tmp_path: Path
+) -> None:
     host = subprocess.run(
         [sys.executable, "-c", HOST_THAT_DIES, str(debian_sif), str(tmp_path)],
         capture_output=True,
@@ -502,6 +506,23 @@ def test_container_ends_when_its_host_dies(debian_sif: Path, tmp_path: Path) -> 
             psutil.Process(pid).kill()  # whatever failed the test is not left behind
     assert left == []
     assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    # What the killed host left in its scratch space goes with the next environment there.
+    scratch = tmp_path / "scratch"
+    (left_behind,) = scratch.glob("harbor-hpc-env-*")
+
+    def still_there() -> list[str]:
+        return [str(left_behind)] if left_behind.exists() else []
+
+    (tmp_path / "next").mkdir()
+
+    async def next_one() -> tuple[list[Path], Path | None]:
+        async with started(debian_sif, tmp_path / "next", scratch_dir=scratch) as environment:
+            await asyncio.to_thread(gone_within, 30, still_there)
+            return sorted(scratch.glob("harbor-hpc-env-*")), environment.staging_host_dir
+
+    folders, staging = asyncio.run(next_one())
+    assert staging is not None and folders == [staging.parent]  # its own stays while it runs
+    assert list(scratch.glob("harbor-hpc-env-*")) == []
 
 
 OTHER_USER_PROBE = """
