@@ -134,13 +134,7 @@ def up(
         token_file=token_file,
     )
     where = cluster_dir or cluster.default_cluster_dir()
-
-    def queued(job_id: str, log: Path) -> None:
-        info(f"Slurm job {job_id}: {options.ray_nodes} Ray node(s), log in {log}; waiting")
-
-    render(
-        cluster.up(where, options, timeout=wait_timeout, queued=queued), json=json, show=_show_up
-    )
+    render(cluster.up(where, options, timeout=wait_timeout, say=info), json=json, show=_show_up)
 
 
 def _show_up(result: RayCluster) -> None:

@@ -204,10 +204,10 @@ def up(
     options: UpOptions,
     *,
     timeout: float = UP_TIMEOUT_S,
-    queued: Callable[[str, Path], None] | None = None,
+    say: Callable[[str], None] = lambda message: None,
 ) -> RayCluster:
-    """Start a cluster and return once all its nodes joined; `queued` hears the job id and
-    log as soon as Slurm took the job."""
+    """Start a cluster and return once all its nodes joined; `say` hears the job id and log
+    as soon as Slurm took the job, and why it pends while it does."""
     modules = _ray_modules(cluster_dir)
     if options.token_file is not None and not options.join:
         raise InputError("--token-file goes with --join (a cluster of its own makes its token)")
@@ -243,9 +243,9 @@ def up(
             script, what="the Ray cluster job", hint="check --partition, --time and --nodes"
         )
         log = cluster_dir / f"job-{job_id}.log"
-        if queued is not None:
-            queued(job_id, log)
-        address = options.join or _await_address(cluster_dir, job_id, log, timeout)
+        say(f"Slurm job {job_id}: {options.ray_nodes} Ray node(s), log in {log}; waiting")
+        job = _JobWatch(job_id, log, say)
+        address = options.join or _await_address(cluster_dir, job, timeout)
         cluster = RayCluster(
             address,
             job_id,
@@ -257,7 +257,7 @@ def up(
             labels=options.labels,
         )
         atomic_write_json(_cluster_file(cluster_dir), cluster.to_json())
-        _await_nodes(cluster, modules, before + cluster.nodes, timeout)
+        _await_nodes(cluster, modules, before + cluster.nodes, job, timeout)
     except BaseException:
         # No half cluster: its job, its token and what names it go (the log stays).
         if job_id is not None:
@@ -269,9 +269,31 @@ def up(
     return cluster
 
 
-def _await[T](
-    ready: Callable[[], T], job_id: str, log: Path, timeout: float, waiting_for: str
-) -> T:
+class _JobWatch:
+    """The cluster's job while `up` waits for it: whether it is still queued, and why it
+    pends (told once per reason: Resources, Priority, a QOS limit...)."""
+
+    def __init__(self, job_id: str, log: Path, say: Callable[[str], None]) -> None:
+        self.job_id = job_id
+        self.log = log
+        self._say = say
+        self._told: tuple[str, str] | None = None
+
+    def queued(self) -> bool:
+        status = slurm.job_status(self.job_id)
+        if status is None:
+            return False
+        state, reason = status
+        if state == "PENDING" and reason != "None" and status != self._told:
+            self._say(f"Slurm job {self.job_id} is pending: {reason}")
+            self._told = status
+        elif state != "PENDING" and self._told is not None and self._told[0] == "PENDING":
+            self._say(f"Slurm job {self.job_id} is {state.lower()}")
+            self._told = status
+        return True
+
+
+def _await[T](ready: Callable[[], T], job: _JobWatch, timeout: float, waiting_for: str) -> T:
     """What `ready` returns once it is true, polling; the job ending or `timeout`
     passing first is an error naming the log."""
     deadline = time.monotonic() + timeout
@@ -279,39 +301,40 @@ def _await[T](
         answer = ready()
         if answer:
             return answer
-        if slurm.job_state(job_id) is None:
+        if not job.queued():
             raise HarborHpcError(
-                f"Ray cluster job {job_id} ended while waiting for {waiting_for}",
-                hint=f"see its log {log}",
+                f"Ray cluster job {job.job_id} ended while waiting for {waiting_for}",
+                hint=f"see its log {job.log}",
             )
         if time.monotonic() > deadline:
             raise HarborHpcError(
-                f"Ray cluster job {job_id}: still waiting for {waiting_for} after "
+                f"Ray cluster job {job.job_id}: still waiting for {waiting_for} after "
                 f"{timeout:g} s; cancelled it",
-                hint=f"is the partition busy (`squeue`)? see its log {log}",
+                hint=f"is the partition busy (`squeue`)? see its log {job.log}",
             )
         time.sleep(POLL_S)
 
 
-def _await_address(cluster_dir: Path, job_id: str, log: Path, timeout: float) -> str:
-    path = address_file(cluster_dir, job_id)
+def _await_address(cluster_dir: Path, job: _JobWatch, timeout: float) -> str:
+    path = address_file(cluster_dir, job.job_id)
 
     def address() -> str:
         return path.read_text().strip() if path.exists() else ""
 
-    return _await(address, job_id, log, timeout, "the head's address")
+    return _await(address, job, timeout, "the head's address")
 
 
 def _await_nodes(
     cluster: RayCluster,
     modules: tuple[ModuleType, ModuleType, ModuleType],
     count: int,
+    job: _JobWatch,
     timeout: float,
 ) -> None:
     def joined() -> bool:
         return len(_alive(_nodes(cluster, modules))) >= count
 
-    _await(joined, cluster.job_id, Path(cluster.log), timeout, f"{cluster.nodes} Ray node(s)")
+    _await(joined, job, timeout, f"{cluster.nodes} Ray node(s)")
 
 
 def _alive(nodes: list[RayNode]) -> list[RayNode]:

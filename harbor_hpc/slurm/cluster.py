@@ -424,15 +424,23 @@ def submit_script(script: Path, *, what: str, hint: str) -> str:
     return ran.stdout.strip().split(";", 1)[0]
 
 
-def job_state(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
-    """squeue's state of one job (PENDING, RUNNING, COMPLETING...), None once it left the queue."""
+def job_status(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> tuple[str, str] | None:
+    """squeue's state of one job (PENDING, RUNNING, COMPLETING...) and its reason (why it
+    pends: Resources, Priority...; "None" when there is none), None once it left the queue."""
     hint = f"run this where the job was submitted; {CONTROLLER_HINT}"
-    ran = _query(["squeue", "-h", "-o", "%T", "-j", job_id], timeout=timeout, hint=hint)
+    ran = _query(["squeue", "-h", "-o", "%T|%r", "-j", job_id], timeout=timeout, hint=hint)
     if not ran.ok:
         if not ran.error and "Invalid job id" in ran.stderr:
             return None
         raise _failed(ran, hint)
-    return ran.stdout.strip() or None
+    state, _, reason = ran.stdout.strip().partition("|")
+    return (state, reason) if state else None
+
+
+def job_state(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
+    """squeue's state of one job, None once it left the queue."""
+    status = job_status(job_id, timeout=timeout)
+    return status[0] if status is not None else None
 
 
 def cancel(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> None:

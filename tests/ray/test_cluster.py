@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,11 @@ def test_up_told_to_stop_while_waiting_cancels_its_job(
         queued = up.stderr.readline()
         assert queued.startswith("Slurm job "), queued + up.stderr.read()
         job_id = queued.split()[2].rstrip(":")
+        # Why it waits, in Slurm's words, as soon as Slurm has one (read with a timeout: the
+        # reader is left behind, not waited for, should the line never come).
+        pending = ThreadPoolExecutor(1).submit(up.stderr.readline).result(timeout=30)
+        assert pending.startswith(f"Slurm job {job_id} is pending: "), pending
+        assert pending.split(": ", 1)[1].strip() not in ("", "None"), pending
         up.send_signal(stop)
         _, err = up.communicate(timeout=60)
     finally:
