@@ -269,6 +269,15 @@ def up(
     return cluster
 
 
+# Slurm's reasons for a job that asks for more than its partition, QOS or account gives: it may
+# wait for good (or until nodes come back).
+_BEYOND_LIMITS = ("Partition", "QOSMax", "AssocMax", "ReqNodeNotAvail")
+_BEYOND_HINT = (
+    " (more than the partition or your limits give: check --nodes, --time and --cpus-per-node;"
+    " Ctrl-C cancels the job)"
+)
+
+
 class _JobWatch:
     """The cluster's job while `up` waits for it: whether it is still queued, and why it
     pends (told once per reason: Resources, Priority, a QOS limit...)."""
@@ -285,7 +294,8 @@ class _JobWatch:
             return False
         state, reason = status
         if state == "PENDING" and reason != "None" and status != self._told:
-            self._say(f"Slurm job {self.job_id} is pending: {reason}")
+            hint = _BEYOND_HINT if reason.startswith(_BEYOND_LIMITS) else ""
+            self._say(f"Slurm job {self.job_id} is pending: {reason}{hint}")
             self._told = status
         elif state != "PENDING" and self._told is not None and self._told[0] == "PENDING":
             self._say(f"Slurm job {self.job_id} is {state.lower()}")

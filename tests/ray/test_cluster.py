@@ -242,6 +242,7 @@ def test_up_told_to_stop_while_waiting_cancels_its_job(
         pending = ThreadPoolExecutor(1).submit(up.stderr.readline).result(timeout=30)
         assert pending.startswith(f"Slurm job {job_id} is pending: "), pending
         assert pending.split(": ", 1)[1].strip() not in ("", "None"), pending
+        assert "check --nodes, --time and --cpus-per-node" in pending  # a partition's limit
         up.send_signal(stop)
         _, err = up.communicate(timeout=60)
     finally:
