@@ -81,6 +81,14 @@ def _labels(text: str | None) -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
+def _node_record(node_id: str) -> dict[str, Any] | None:
+    """The cluster's (its GCS's) record of the node; blocks while the cluster does not answer."""
+    import ray
+
+    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    return next((node for node in nodes if node["NodeID"] == node_id), None)
+
+
 def _host_on(node_id: str) -> tuple[Any, str]:
     """This process's host actor on `node_id` (an actor handle) and the node's address."""
     import ray
@@ -88,11 +96,8 @@ def _host_on(node_id: str) -> tuple[Any, str]:
 
     with _hosts_lock:
         if node_id not in _hosts:
-            nodes = ray.nodes()  # type: ignore[no-untyped-call]
-            address = next(
-                (node["NodeManagerAddress"] for node in nodes if node["NodeID"] == node_id),
-                node_id,
-            )
+            record = _node_record(node_id)
+            address = str(record["NodeManagerAddress"]) if record else node_id
             # Ray's typed overloads of remote() leave its documented concurrency_groups out.
             host = ray.remote(concurrency_groups={PROBE_GROUP: 1})  # type: ignore[call-overload]
             actor = (
@@ -111,11 +116,9 @@ def _host_on(node_id: str) -> tuple[Any, str]:
 
 
 def _node_alive(node_id: str) -> bool:
-    """Whether the cluster (its GCS) counts the node alive; blocks while it does not answer."""
-    import ray
-
-    nodes = ray.nodes()  # type: ignore[no-untyped-call]
-    return any(node["NodeID"] == node_id and node["Alive"] for node in nodes)
+    """Whether the cluster counts the node alive; blocks while it does not answer."""
+    record = _node_record(node_id)
+    return bool(record and record["Alive"])
 
 
 def _forget_host(node_id: str) -> None:

@@ -36,6 +36,9 @@ get_cluster_resource_state(GcsClient(address=sys.argv[1]))
 print("answered")
 """
 
+# squeue's word for a job that ended or is ending (None: it left the queue).
+JOB_GONE = (None, "COMPLETING", "CANCELLED")
+
 
 # A task pinned to each alive node: its node id, uid and Ray temporary folder.
 ON_EACH_NODE = """
@@ -184,7 +187,7 @@ def test_down_ends_the_job_and_removes_the_token(
     cluster, _ = started
     down = cli_json("ray", "down", "--cluster-dir", str(cluster_dir))
     assert down["job_id"] == cluster["job_id"]
-    assert job_state(cluster["job_id"]) in (None, "COMPLETING", "CANCELLED")
+    assert job_state(cluster["job_id"]) in JOB_GONE
     assert not Path(cluster["token_file"]).exists()
     assert not (cluster_dir / "cluster.json").exists()
     gone = cli("ray", "status", "--cluster-dir", str(cluster_dir), check=False)
@@ -212,7 +215,7 @@ def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> 
     assert up.returncode == 1, up.stderr
     assert "after 1 s; cancelled it" in up.stderr
     job_id = up.stderr.split("Ray cluster job ", 1)[1].split(":", 1)[0]
-    assert job_state(job_id) in (None, "COMPLETING", "CANCELLED")
+    assert job_state(job_id) in JOB_GONE
     assert not (cluster_dir / "cluster.json").exists()
     assert not (cluster_dir / "token").exists()
     assert not list(cluster_dir.glob("*.address"))
@@ -248,11 +251,11 @@ def test_up_told_to_stop_while_waiting_cancels_its_job(
     finally:
         up.kill()
         left = job_state(job_id) if job_id else None
-        if left not in (None, "COMPLETING", "CANCELLED"):  # a failing test leaves no job queued
+        if left not in JOB_GONE:  # a failing test leaves no job queued
             subprocess.run(["scancel", job_id], check=False)
     assert up.returncode == 128 + stop, err
     assert "terminated" in err and "error" not in err
-    assert left in (None, "COMPLETING", "CANCELLED"), left
+    assert left in JOB_GONE, left
     assert not (cluster_dir / "token").exists()
     assert not (cluster_dir / "cluster.json").exists()
 
