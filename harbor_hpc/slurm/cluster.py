@@ -353,15 +353,25 @@ def submit_array(
     try:
         return pool.map_array(function, *arguments)
     except (FailedJobError, FailedSubmissionError) as exc:
-        raise SlurmError(f"Slurm refused {what}: {_refusal(exc)}", hint=hint) from None
+        cause = exc.__cause__
+        # `timeout` exits 124 (137 once killed) and says nothing.
+        if getattr(cause, "returncode", None) in (124, 137):
+            said = f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s"
+        else:
+            said = " ".join(str(exc).split()) or type(exc).__name__
+        raise _refused(what, said, hint) from None
 
 
-def _refusal(exc: Exception) -> str:
-    """sbatch's own words on one line; `timeout` exits 124 (137 once killed) and says nothing."""
-    cause = exc.__cause__
-    if getattr(cause, "returncode", None) in (124, 137):
-        return f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s"
-    return " ".join(str(exc).split()) or type(exc).__name__
+# sbatch's words when the controller could not take the job (the cluster's fault: try again)
+# rather than refused it (a partition, account, QOS, time or size the cluster does not take).
+_UNREACHABLE = ("unable to contact", "timed out", "temporarily unable", "did not answer")
+
+
+def _refused(what: str, said: str, hint: str) -> SlurmError:
+    """sbatch's refusal of `what`: bad input (exit 2, the request must change) unless the
+    controller could not be reached (exit 1)."""
+    unreachable = any(words in said.lower() for words in _UNREACHABLE)
+    return SlurmError(f"Slurm refused {what}: {said}", hint=hint, exit_code=1 if unreachable else 2)
 
 
 # --- waiting for an array's results ---------------------------------------------------------
@@ -419,7 +429,7 @@ def submit_script(script: Path, *, what: str, hint: str) -> str:
     require_sbatch(what, hint="run on a Slurm login node (`module load slurm`?)")
     ran = run(["sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
     if not ran.ok:
-        raise SlurmError(f"Slurm refused {what}: {ran.why()}", hint=hint)
+        raise _refused(what, ran.why(), hint)
     # --parsable prints `id` or `id;cluster`.
     return ran.stdout.strip().split(";", 1)[0]
 

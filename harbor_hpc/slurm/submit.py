@@ -557,9 +557,11 @@ def _launch(
                     chunk.job = job_id
                 queued += len(job_ids)
                 result.job_ids = submission.job_ids
-    except HarborHpcError:
+    except HarborHpcError as exc:
         if queued == 0 and number == 1:
             _forget_run(run_dir)  # nothing ran: the same submit can simply be run again
+        elif queued:
+            exc.exit_code = 1  # earlier arrays run: a partial failure, whatever stopped the rest
         raise
     return result
 

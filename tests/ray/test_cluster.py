@@ -199,7 +199,7 @@ def test_a_partition_slurm_refuses_is_named(tmp_path: Path) -> None:
         "ray", "up", "--nodes", "1", "--partition", "no-such-partition",
         "--cluster-dir", str(tmp_path / "cluster"), check=False,
     )  # fmt: skip
-    assert up.returncode == 1
+    assert up.returncode == 2
     assert "Slurm refused the Ray cluster job" in up.stderr
     assert "Invalid partition name" in up.stderr  # Slurm's own words
     assert not (tmp_path / "cluster" / "cluster.json").exists()

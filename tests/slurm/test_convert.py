@@ -199,7 +199,7 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -
     result = cli(
         "--manifest", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such"
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert (
         "error: Slurm refused the conversion job: sbatch: error: invalid partition specified: "
         "no-such" in result.stderr

@@ -63,7 +63,46 @@ def test_a_refused_submission_is_one_line_and_leaves_no_run(
         "Slurm refused the run's array job: sbatch: error: invalid partition specified: debug "
         "sbatch: error: Batch job submission failed: Invalid partition name specified"
     )
+    assert refused.value.exit_code == 2  # the request must change: bad input
     assert not RunPaths(run_dir).record.exists()  # nothing ran: the same submit can run again
+
+    # A controller that cannot be reached is the cluster's failure, not the request's.
+    fake_slurm.answer(
+        "sbatch",
+        stderr="sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+        "(connect failure)\n",
+        returncode=1,
+    )
+    with pytest.raises(SlurmError) as unreachable:
+        submit_run(tasks, run_dir, options())
+    assert unreachable.value.exit_code == 1
+    assert not RunPaths(run_dir).record.exists()
+
+
+def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "small", image=str(sif), memory_mb=512, agent_timeout_sec=60)
+    make_task(tasks, "big", image=str(sif), memory_mb=16384, agent_timeout_sec=60)
+    fake_slurm.answer("sinfo", "2 32000\n")
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer(
+        "sbatch",
+        stderr="sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+        "(job submit limit, user's size and/or time limits)\n",
+        returncode=1,
+        call=2,
+    )
+    run_dir = tmp_path / "run"
+    with pytest.raises(SlurmError) as refused:
+        submit_run(tasks, run_dir, options())
+    assert "Job violates accounting/QOS policy" in refused.value.message
+    assert refused.value.exit_code == 1  # one array runs: status and resubmit know it
+    [submission] = load_run(run_dir).submissions
+    assert [chunk.job for chunk in submission.chunks] == ["4242", None]
 
 
 def test_status_follows_the_jobs_squeue_knows(

@@ -27,14 +27,17 @@ class FakeSlurm:
         stderr: str = "",
         returncode: int = 0,
         hang_s: float | None = None,
+        call: int | None = None,
     ) -> None:
-        """What `command` prints and exits with from now on; with `hang_s`, it only sleeps."""
+        """What `command` prints and exits with from now on (with `call`, only its call of that
+        number, counting from 1); with `hang_s`, it only sleeps."""
         self.state.mkdir(parents=True, exist_ok=True)
         answers = {"out": stdout, "err": stderr, "rc": str(returncode)}
         if hang_s is not None:
             answers["hang"] = f"{hang_s:g}"
+        name = command if call is None else f"{command}.{call}"
         for kind in ("out", "err", "rc", "hang"):
-            path = self.state / f"{command}.{kind}"
+            path = self.state / f"{name}.{kind}"
             if kind in answers:
                 path.write_text(answers[kind])
             else:
