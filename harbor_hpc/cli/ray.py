@@ -167,7 +167,8 @@ def _show(result: RayStatus) -> None:
     if not result.nodes:
         return
     table = Table(pad_edge=False)
-    for column in ("node", "ip", "status", "CPU free/total", "memory GB free/total"):
+    columns = ("node", "ip", "status", "CPU free/total", "memory GB free/total", "labels")
+    for column in columns:
         table.add_column(column)
     for node in result.nodes:
         table.add_row(
@@ -176,6 +177,7 @@ def _show(result: RayStatus) -> None:
             node.status,
             f"{node.available.get('CPU', 0):g}/{node.total.get('CPU', 0):g}",
             f"{node.available.get('memory', 0) / 1e9:.1f}/{node.total.get('memory', 0) / 1e9:.1f}",
+            ",".join(f"{key}={value}" for key, value in sorted(node.labels.items())),
         )
     stdout.print(table)
 

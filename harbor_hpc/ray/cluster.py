@@ -120,6 +120,7 @@ class RayNode:
     head: bool
     total: dict[str, float]
     available: dict[str, float]
+    labels: dict[str, str]  # the node's own (`--labels`), without Ray's `ray.io/` ones
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -384,6 +385,7 @@ def _nodes_at(
             head="node:__internal_head__" in node.total_resources,
             total=_resources(node.total_resources),
             available=_resources(node.available_resources),
+            labels={k: v for k, v in node.labels.items() if not k.startswith("ray.io/")},
         )
         for node in state.node_states
     ]

@@ -47,6 +47,10 @@ def test_environments_go_to_the_labelled_nodes_that_joined_a_trainers_cluster(
     assert Path(joined["token_file"]).resolve() == Path(trainer["token_file"])  # linked
     nodes = cli_json("ray", "status", "--cluster-dir", joined["cluster_dir"])["ray_nodes"]
     workers = [node["node_id"] for node in nodes if not node["head"]]
+    assert [node["labels"] for node in nodes if not node["head"]] == [{"role": "env"}]
+    assert [node["labels"] for node in nodes if node["head"]] == [{}]
+    shown = cli("ray", "status", "--cluster-dir", joined["cluster_dir"]).stdout
+    assert "role=env" in shown
     (answer,) = lines(drive(LABELLED, debian_sif, tmp_path, joined["cluster_dir"]))
     assert answer["nodes"] == workers
 
