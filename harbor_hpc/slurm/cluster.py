@@ -353,23 +353,21 @@ def submit_array(
     try:
         return pool.map_array(function, *arguments)
     except (FailedJobError, FailedSubmissionError) as exc:
-        cause = exc.__cause__
         # `timeout` exits 124 (137 once killed) and says nothing.
-        if getattr(cause, "returncode", None) in (124, 137):
+        if getattr(exc.__cause__, "returncode", None) in (124, 137):
             said = f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s"
-        else:
-            said = " ".join(str(exc).split()) or type(exc).__name__
-        raise _refused(what, said, hint) from None
+            raise SlurmError(f"Slurm refused {what}: {said}", hint=hint) from None
+        raise _refused(what, " ".join(str(exc).split()) or type(exc).__name__, hint) from None
 
 
 # sbatch's words when the controller could not take the job (the cluster's fault: try again)
 # rather than refused it (a partition, account, QOS, time or size the cluster does not take).
-_UNREACHABLE = ("unable to contact", "timed out", "temporarily unable", "did not answer")
+_UNREACHABLE = ("unable to contact", "timed out", "temporarily unable")
 
 
 def _refused(what: str, said: str, hint: str) -> SlurmError:
-    """sbatch's refusal of `what`: bad input (exit 2, the request must change) unless the
-    controller could not be reached (exit 1)."""
+    """sbatch's own refusal of `what`: bad input (exit 2, the request must change) unless it
+    says the controller could not be reached (exit 1)."""
     unreachable = any(words in said.lower() for words in _UNREACHABLE)
     return SlurmError(f"Slurm refused {what}: {said}", hint=hint, exit_code=1 if unreachable else 2)
 
@@ -428,6 +426,8 @@ def submit_script(script: Path, *, what: str, hint: str) -> str:
     by sbatch, or an sbatch that does not answer, is a `SlurmError` naming `what`."""
     require_sbatch(what, hint="run on a Slurm login node (`module load slurm`?)")
     ran = run(["sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
+    if ran.error:  # sbatch did not run to its end: it did not answer, or we were stopped
+        raise SlurmError(f"Slurm refused {what}: {ran.error}", hint=hint)
     if not ran.ok:
         raise _refused(what, ran.why(), hint)
     # --parsable prints `id` or `id;cluster`.

@@ -117,3 +117,34 @@ def test_limits_and_array_size_come_from_the_cluster(fake_slurm: FakeSlurm) -> N
     assert cluster.partition_limits("debug") == NodeLimits(2, 21694)
     assert fake_slurm.calls("sinfo") == [["-h", "-o", "%c", "%m", "-p", "debug"]]
     assert cluster.max_array_size() == 10001
+
+
+def test_a_script_slurm_refuses_is_bad_input_unless_the_controller_is_unreachable(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --partition=nosuch\ntrue\n")
+    fake_slurm.answer(
+        "sbatch",
+        stderr="sbatch: error: invalid partition specified: nosuch\n"
+        "sbatch: error: Batch job submission failed: Invalid partition name specified\n",
+        returncode=1,
+    )
+    with pytest.raises(SlurmError) as refused:
+        cluster.submit_script(script, what="the job", hint="check --partition")
+    assert refused.value.message == (
+        "Slurm refused the job: sbatch: error: Batch job submission failed: "
+        "Invalid partition name specified"
+    )
+    assert refused.value.exit_code == 2
+    fake_slurm.answer(
+        "sbatch",
+        stderr="sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+        "(connect failure)\n",
+        returncode=1,
+    )
+    with pytest.raises(SlurmError) as unreachable:
+        cluster.submit_script(script, what="the job", hint="check --partition")
+    assert unreachable.value.exit_code == 1
+    fake_slurm.answer("sbatch", "4242\n")
+    assert cluster.submit_script(script, what="the job", hint="check --partition") == "4242"
