@@ -61,6 +61,9 @@ async def main() -> int:
     parser.add_argument("--ray-cluster-dir", type=Path, help="ray up's --cluster-dir")
     args = parser.parse_args()
     task = args.task.resolve()
+    # The trials hold what the agent was given and what it earned: yours alone (Harbor opens
+    # each trial's own folder to everyone).
+    args.trials_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     agent_kwargs = {
         "api_base": args.api_base,

@@ -52,7 +52,12 @@ def connect(ray_address: str | None, cluster_dir: Path | None) -> None:
         address, token_dir = cluster_address(ray_address, cluster_dir)
         if token_dir is not None:
             use_token(os.environ, token_dir)
-        import ray  # after the token settings: Ray reads them when first imported
+        # Ray starts the workers of a driver run by `uv run` (or below one) through `uv run`
+        # too, in a new virtualenv made from a copy of the driver's folder: without the ray
+        # extra unless it was named (a host that never starts), from the package index (which
+        # compute nodes often cannot reach). The hosts run in the Python their nodes run.
+        os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+        import ray  # after these settings: Ray reads them when first imported
 
         try:
             # The hosts' logs stay on their nodes (Ray's log folder there): a driver serving

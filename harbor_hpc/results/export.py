@@ -37,7 +37,7 @@ from typing import Any
 from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
 from harbor_hpc.core.files import atomic_write_text, read_json
 from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_result
-from harbor_hpc.results.record import RunPaths, RunRecord, load_run, read_markers
+from harbor_hpc.results.record import RunPaths, RunRecord, load_run, read_markers, run_umask
 from harbor_hpc.results.rollout import Rollout, Sequence, rollout
 from harbor_hpc.results.status import AttemptStatus, trial_outcome
 
@@ -299,12 +299,14 @@ def export_run(
     dry_run: bool = False,
 ) -> Export:
     """Write the run's rollouts to `out` (JSONL, atomically) in `fmt`, marking the lines
-    `statuses` count."""
+    `statuses` count. The file is as private as the run: its owner's (0600), or with the run's
+    `--group-readable` also readable by the group (0640)."""
     lines, left_out = rollout_lines(run_dir, statuses, fmt=fmt)
     if not dry_run:
         text = "".join(json.dumps(line, default=str) + "\n" for line in lines)
+        mode = 0o666 & ~run_umask(load_run(run_dir).group_readable)
         try:
-            atomic_write_text(out, text)
+            atomic_write_text(out, text, mode=mode)
         except OSError as exc:  # a full disk; --out a folder, or in one it cannot write
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise from_os_error(exc, out) or exc from None

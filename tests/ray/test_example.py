@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -65,18 +67,25 @@ def test_two_rollouts_of_one_trainer_process_run_on_two_ray_nodes(
     status = cli_json("ray", "status", "--cluster-dir", str(ray_cluster["cluster_dir"]))
     nodes = {node["node_id"] for node in status["ray_nodes"]}
     assert len(nodes) == 2, nodes
+    # As a uv user runs it: below `uv run`, Ray would start the hosts through `uv run` as well,
+    # in a new virtualenv without Ray, and no environment would ever start.
+    uv = shutil.which("uv")
+    assert uv is not None, "uv is not on PATH"
     with ScriptedLLM([REPLY]) as llm, (tmp_path / "stderr").open("w+") as stderr:
         example = subprocess.run(
-            [sys.executable, str(EXAMPLE), str(task), str(trials), "--api-base", llm.url,
+            [uv, "run", "--frozen", "--no-sync", "python",
+             str(EXAMPLE), str(task), str(trials), "--api-base", llm.url,
              "--model", f"openai/{llm.model}", "--rollouts", "2",
              # A Ray node has one CPU: a rollout each.
              "--ray-cpus", "1", "--ray-cluster-dir", str(ray_cluster["cluster_dir"])],
-            env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=600, check=False,
+            env=env, cwd=EXAMPLE.parents[1], stdout=subprocess.PIPE, stderr=stderr, text=True,
+            timeout=600, check=False,
         )  # fmt: skip
         stderr.seek(0)
         assert example.returncode == 0, stderr.read()[-3000:]
         out = example.stdout
         sent: list[Exchange] = llm.exchanges
+    assert stat.S_IMODE(trials.stat().st_mode) == 0o700  # what the agent saw is the user's alone
     found = [LINE.fullmatch(line) for line in out.splitlines()]
     assert all(found) and len(found) == 2, out
     lines = [match.groupdict() for match in found if match]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -380,3 +381,18 @@ def test_an_unwritable_out_is_named_and_nothing_is_left(tmp_path: Path) -> None:
         export_run(run_dir, tmp_path / "out", [])
     assert refused.value.exit_code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # no temporary file
+
+
+@pytest.mark.parametrize(("group_readable", "mode"), [(False, 0o600), (True, 0o640)])
+def test_the_export_is_as_private_as_the_run(
+    tmp_path: Path, group_readable: bool, mode: int
+) -> None:
+    # Rollouts quote what the agent was given and what it earned, as the run's own files do.
+    run_dir = tmp_path / "run"
+    options = {"group_readable": group_readable}
+    create_run(run_dir, RunRecord(str(tmp_path), [], "oracle", None, {}, "x:Y", {}, options))
+    out = tmp_path / "rollouts.jsonl"
+    out.write_text("an older export, world-readable\n")
+    out.chmod(0o644)
+    export_run(run_dir, out, [])
+    assert stat.S_IMODE(out.stat().st_mode) == mode
