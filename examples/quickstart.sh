@@ -15,18 +15,24 @@ EXAMPLES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tasks
 
 base=()
 if [ -n "${HARBOR_HPC_BASE_IMAGE:-}" ]; then base=(--build-arg "BASE_IMAGE=$HARBOR_HPC_BASE_IMAGE"); fi
-# A registry on this machine speaks plain HTTP; Apptainer has to be told so.
+# A registry on this machine speaks plain HTTP; Apptainer (converting, or building where there
+# is no Docker) has to be told so.
 nohttps=()
-case $REGISTRY in localhost:* | 127.0.0.1:*) nohttps=(--nohttps) ;; esac
+case "$REGISTRY ${HARBOR_HPC_BASE_IMAGE:-}" in
+  localhost:* | 127.0.0.1:* | *" localhost:"* | *" 127.0.0.1:"*) nohttps=(--nohttps) ;;
+esac
 
 mkdir -p "$WORK"
 rm -rf "$WORK/tasks"
 cp -r "$EXAMPLES" "$WORK/tasks"
 
-if ! harbor-hpc build "$WORK/tasks" --registry "$REGISTRY" --manifest "$WORK/manifest.json" "${base[@]}"; then
+# Without Docker, build makes each .sif itself, in the same store convert and submit use.
+if ! harbor-hpc build "$WORK/tasks" --registry "$REGISTRY" --manifest "$WORK/manifest.json" \
+  --cache-dir "$WORK/sif" "${nohttps[@]}" "${base[@]}"; then
   if [ ${#base[@]} -eq 0 ]; then
     echo "quickstart: if the public base image could not be pulled here, set" \
-      "HARBOR_HPC_BASE_IMAGE to a Debian image with python3 that this machine has" >&2
+      "HARBOR_HPC_BASE_IMAGE to a Debian image with python3 that this machine has" \
+      "(in a registry where Apptainer builds, without Docker)" >&2
   fi
   exit 1
 fi

@@ -16,6 +16,7 @@ import io
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 import urllib.error
 import urllib.request
@@ -159,6 +160,18 @@ def debian_sif() -> Path:
 def fidelity_sif() -> Path:
     """A published task's image as a .sif (tests/support/images.py FIDELITY_DOCKERFILE)."""
     return built_ahead("fidelity_sif")
+
+
+@pytest.fixture(scope="session")
+def base_image() -> str:
+    """The test base image in the test registry, for Apptainer builds, which cannot see Docker's
+    images (pushed by Docker: test setup only)."""
+    local = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    reference = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/harbor-hpc-test/base:bookworm"
+    for command in (["docker", "tag", local, reference], ["docker", "push", reference]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+    return reference
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,6 @@ from tests.tasks.test_manifest_schema import validate as validate_manifest
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.slurm, pytest.mark.registry, pytest.mark.docker]
 
-LOCAL_BASE = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
 # Reward 1 when the oracle solved the task and the image is as its Dockerfile says.
 TEST_SH = """#!/bin/bash
 mkdir -p /logs/verifier
@@ -144,16 +143,6 @@ class Built:
     base: str
     env: dict[str, str]
     first: subprocess.CompletedProcess[str]
-
-
-@pytest.fixture(scope="module")
-def base_image() -> str:
-    """The test base image in the test registry (pushed by Docker: test setup only)."""
-    reference = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/harbor-hpc-test/base:bookworm"
-    for command in (["docker", "tag", LOCAL_BASE, reference], ["docker", "push", reference]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr
-    return reference
 
 
 @pytest.fixture(scope="module")
