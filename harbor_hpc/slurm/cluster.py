@@ -14,8 +14,11 @@ waits for an array whose elements each return a result (conversions, builds).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
@@ -350,8 +353,13 @@ def submit_array(
 ) -> list[submitit.Job[Any]]:
     """Queue `function` over `arguments` as one array job; a refusal by sbatch (or an sbatch
     that does not answer) is a `SlurmError` naming `what`."""
+    # submitit prints a refusing sbatch's stderr as it raises it: the error carries it already.
+    printed = io.StringIO()
     try:
-        return pool.map_array(function, *arguments)
+        with contextlib.redirect_stderr(printed):
+            jobs = pool.map_array(function, *arguments)
+        sys.stderr.write(printed.getvalue())
+        return jobs
     except (FailedJobError, FailedSubmissionError) as exc:
         # `timeout` exits 124 (137 once killed) and says nothing.
         if getattr(exc.__cause__, "returncode", None) in (124, 137):

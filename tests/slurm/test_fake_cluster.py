@@ -48,7 +48,7 @@ def by_task(run_dir: Path) -> dict[str, tuple[str, str | None]]:
 
 
 def test_a_refused_submission_is_one_line_and_leaves_no_run(
-    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake_slurm.answer(
         "sbatch",
@@ -65,6 +65,7 @@ def test_a_refused_submission_is_one_line_and_leaves_no_run(
     )
     assert refused.value.exit_code == 2  # the request must change: bad input
     assert not RunPaths(run_dir).record.exists()  # nothing ran: the same submit can run again
+    assert capsys.readouterr().err == ""  # sbatch's words once, in the error, not raw before it
 
     # A controller that cannot be reached is the cluster's failure, not the request's.
     fake_slurm.answer(
