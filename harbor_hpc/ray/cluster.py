@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -185,6 +185,16 @@ def job_script(cluster_dir: Path, options: UpOptions) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_labels(text: str | None) -> dict[str, str]:
+    """`key=value,key2=value2` (Ray's node labels, or with `!value` its label selectors) as a
+    dict; a ValueError names the item that is not key=value."""
+    pairs = [item.partition("=") for item in (text or "").split(",") if item.strip()]
+    bad = ["".join(pair).strip() for pair in pairs if not pair[1] or not pair[0].strip()]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not key=value")
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
 def load(cluster_dir: Path) -> RayCluster:
     path = _cluster_file(cluster_dir)
     if not path.exists():
@@ -214,6 +224,12 @@ def up(
         raise InputError("--token-file goes with --join (a cluster of its own makes its token)")
     if options.ray_nodes < 1:
         raise InputError(f"{options.ray_nodes} Ray nodes: a cluster needs at least one")
+    try:
+        labels = parse_labels(options.labels)
+    except ValueError as exc:
+        raise InputError(f"--labels {options.labels!r}: {exc}", hint="e.g. role=env") from None
+    # As `ray start` takes them: no empty items, no spaces around the parts.
+    options = replace(options, labels=",".join(f"{k}={v}" for k, v in labels.items()) or None)
     if _cluster_file(cluster_dir).exists():
         running = load(cluster_dir)
         if slurm.job_state(running.job_id) is not None:
@@ -289,6 +305,22 @@ class _JobWatch:
         self._say = say
         self._told: tuple[str, str] | None = None
 
+    def pending_since(self) -> str:
+        """ ", pending (Slurm: REASON)" while the job has not started, else nothing."""
+        if self._told is None or self._told[0] != "PENDING":
+            return ""
+        return f", pending (Slurm: {self._told[1]})"
+
+    def what_to_check(self) -> str:
+        if self._told is not None and self._told[1].startswith(_BEYOND_LIMITS):
+            return (
+                "it asks for more than the partition or your limits give: check --nodes, "
+                "--time and --cpus-per-node"
+            )
+        if self.log.exists():
+            return f"see its log {self.log}"
+        return "is the partition busy (`squeue`)? a longer --wait-timeout waits for it"
+
     def queued(self) -> bool:
         status = slurm.job_status(self.job_id)
         if status is None:
@@ -320,8 +352,8 @@ def _await[T](ready: Callable[[], T], job: _JobWatch, timeout: float, waiting_fo
         if time.monotonic() > deadline:
             raise HarborHpcError(
                 f"Ray cluster job {job.job_id}: still waiting for {waiting_for} after "
-                f"{timeout:g} s; cancelled it",
-                hint=f"is the partition busy (`squeue`)? see its log {job.log}",
+                f"{timeout:g} s{job.pending_since()}; cancelled it",
+                hint=job.what_to_check(),
             )
         time.sleep(POLL_S)
 

@@ -35,7 +35,7 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_hpc.apptainer.environment import BASE_KWARGS, SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
-from harbor_hpc.ray.cluster import INSTALL_HINT, ray_missing
+from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
 from harbor_hpc.ray.connect import connect
 from harbor_hpc.ray.host import (
     CHUNK_BYTES,
@@ -74,11 +74,10 @@ def _first_sentence(error: Exception) -> str:
 
 def _labels(text: str | None) -> dict[str, str]:
     """`key=value,key2=!value2` as Ray's label selector."""
-    pairs = [item.partition("=") for item in (text or "").split(",") if item.strip()]
-    bad = [key for key, equals, _ in pairs if not equals or not key.strip()]
-    if bad:
-        raise ContainerStartFailed(f"ray_labels: {text!r} is not key=value[,key=value]")
-    return {key.strip(): value.strip() for key, _, value in pairs}
+    try:
+        return parse_labels(text)
+    except ValueError:
+        raise ContainerStartFailed(f"ray_labels: {text!r} is not key=value[,key=value]") from None
 
 
 def _node_record(node_id: str) -> dict[str, Any] | None:

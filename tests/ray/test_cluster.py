@@ -206,6 +206,20 @@ def test_a_partition_slurm_refuses_is_named(tmp_path: Path) -> None:
     assert not (tmp_path / "cluster" / "token").exists()
 
 
+def test_labels_that_are_not_key_value_are_refused_before_anything_is_queued(
+    tmp_path: Path,
+) -> None:
+    for labels in ("roleenv", "role=env,=cpu"):
+        up = cli(
+            "ray", "up", "--nodes", "1", "--labels", labels,
+            "--cluster-dir", str(tmp_path / "cluster"), check=False,
+        )  # fmt: skip
+        assert up.returncode == 2, up.stderr
+        assert f"--labels {labels!r}: " in up.stderr and "is not key=value" in up.stderr
+        assert "Traceback" not in up.stderr and "Slurm job" not in up.stderr
+        assert not (tmp_path / "cluster").exists()
+
+
 def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> None:
     cluster_dir = tmp_path / "cluster"
     up = cli(
@@ -219,6 +233,19 @@ def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> 
     assert not (cluster_dir / "cluster.json").exists()
     assert not (cluster_dir / "token").exists()
     assert not list(cluster_dir.glob("*.address"))
+
+
+def test_a_cluster_beyond_the_partition_says_so_when_it_gives_up(tmp_path: Path) -> None:
+    # Three nodes of a one-node partition: Slurm keeps the job pending, and up says why.
+    up = cli(
+        "ray", "up", "--nodes", "3", "--wait-timeout", "8",
+        "--cluster-dir", str(tmp_path / "cluster"), check=False,
+    )  # fmt: skip
+    assert up.returncode == 1, up.stderr
+    error = next(line for line in up.stderr.splitlines() if line.startswith("error: "))
+    assert "after 8 s, pending (Slurm: Partition" in error and error.endswith("cancelled it")
+    assert "check --nodes, --time and --cpus-per-node" in up.stderr
+    assert "see its log" not in up.stderr  # a job that never ran wrote none
 
 
 # `kill`, `timeout` or the scancel of a job running it; the terminal it waits in closed.
