@@ -91,11 +91,13 @@ def _build_args(config: Config, flags: list[str] | None) -> dict[str, str]:
     "compute nodes, one Slurm array element per context. --builder auto (the default) takes "
     "Docker where an engine answers, else Apptainer, and says which. The manifest is updated as "
     "each image finishes, or maps the task to its error. "
-    "A task whose verifier runs in a container of its own ([verifier] environment_mode = "
+    "A task whose verifier runs in a container of its own (\\[verifier] environment_mode = "
     '"separate") with a tests/Dockerfile gets a second image from tests/, by the same rules. '
     "Tasks with a docker-compose file are warned about: their sidecars do not run under "
     "Apptainer. A rerun builds only what the registry (or the store) does not already hold.\n\n"
-    "Exits 1 naming the tasks whose image failed; the other images are still built."
+    "Exits 1 naming the tasks whose image failed; the other images are still built.\n\n"
+    "Example: harbor-hpc build tasks/ --registry localhost:5000/lab --manifest "
+    "manifest.json"
 )
 def build(
     tasks_dir: TasksArgument,
@@ -330,6 +332,7 @@ def _show_build(result: BuildResult) -> None:
     "\n\nOnly that value changes; every other byte of task.toml stays. Tasks whose image failed, "
     "is not built, or (with --sif) has no .sif yet are left untouched and listed; task.toml "
     "files that do not parse are named. Exits 1 when any task was left out. Safe to run again."
+    "\n\nExample: harbor-hpc rewrite tasks/ --manifest manifest.json --sif"
 )
 def rewrite(
     tasks_dir: TasksArgument,
@@ -378,7 +381,8 @@ def _show_rewrite(result: RewriteResult) -> None:
     "The script runs before the agent in Harbor's and NeMo Gym's Singularity flows: it makes the "
     "exec server's uvicorn and fastapi importable (doing nothing when they already are) and, "
     "with --replay-copy, copies in what the Dockerfile would have. It is valid bash and safe to "
-    "run again. Existing setup.sh files are kept unless --force.",
+    "run again. Existing setup.sh files are kept unless --force.\n\n"
+    "Example: harbor-hpc setup-sh tasks/ --replay-copy",
 )
 def setup_sh(
     tasks_dir: TasksArgument,

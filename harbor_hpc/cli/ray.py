@@ -27,7 +27,7 @@ from harbor_hpc.ray.cluster import RayCluster, RayDown, RayStatus, UpOptions
 ray_app = typer.Typer(
     name="ray",
     help="A Ray cluster as one Slurm job (token authentication always on), for environments "
-    "that run away from the trainer's nodes. Needs the extra: pip install 'harbor-hpc[ray]'.",
+    "that run away from the trainer's nodes. Needs the extra: pip install 'harbor-hpc\\[ray]'.",
     no_args_is_help=True,
 )
 app.add_typer(ray_app)
@@ -153,7 +153,10 @@ def status(
     json: JsonOption = False,
     verbose: VerboseOption = 0,
 ) -> None:
-    """Show the cluster's Slurm job, its Ray nodes and their free resources."""
+    """Show the cluster's Slurm job, its Ray nodes, their free resources and labels.
+
+    Example: harbor-hpc ray status --json
+    """
     setup(verbose)
     render(cluster.status(cluster_dir or cluster.default_cluster_dir()), json=json, show=_show)
 
@@ -189,7 +192,10 @@ def down(
     verbose: VerboseOption = 0,
 ) -> None:
     """End the cluster: cancel its Slurm job and remove its token (after --join: only the
-    nodes it added, and the link to the cluster's token)."""
+    nodes it added, and the link to the cluster's token).
+
+    Example: harbor-hpc ray down --cluster-dir ~/ray/grpo
+    """
     setup(verbose)
     render(cluster.down(cluster_dir or cluster.default_cluster_dir()), json=json, show=_show_down)
 

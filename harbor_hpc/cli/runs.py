@@ -237,9 +237,11 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
     """Where every task attempt of a run stands: pending, running, done (reward) or failed (why).
 
     Works while the run goes on and after; needs squeue for Slurm runs, not sacct. Failure
-    classes: image, setup, memory, timeout, verifier, agent, infrastructure (resubmit those).
-    Each failure's message follows the table, cut to one line; -v shows it whole, and the
-    trial folder of every attempt.
+    classes: image, environment, unsupported, setup, memory, timeout, verifier, agent,
+    infrastructure (resubmit those). Each failure's message follows the table, cut to one line;
+    -v shows it whole, and the trial folder of every attempt.
+
+    Example: harbor-hpc status runs/oracle -v
     """
     setup(verbose)
     found = run_status(run_dir)
@@ -262,6 +264,8 @@ def resubmit(
 
     With --failed, failed attempts too. Finished trials are kept and never run again; the new
     trials go into the same run folder as a new submission.
+
+    Example: harbor-hpc resubmit runs/oracle --failed --wait
     """
     setup(verbose)
     result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
@@ -295,7 +299,9 @@ def export(
     full: one line per trial that ended (and per attempt that failed without one): rewards,
     per-step rewards, failure, trainable, chat messages and token ids per turn, flattened
     token_ids/mask_ids. Fails, writing nothing, when the run asked for token ids and the model
-    server sent none. The file is replaced atomically.
+    server sent none. The file is replaced atomically, as private as the run.
+
+    Example: harbor-hpc export runs/grpo --out rollouts.jsonl --format nemo-gym
     """
     setup(verbose)
     render(runs.export(run_dir, out, fmt=fmt, dry_run=dry_run), json=json, show=_show_export)
