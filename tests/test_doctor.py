@@ -61,6 +61,7 @@ def test_no_tools_on_path_exits_nonzero_and_names_what_is_missing(tmp_path: Path
     assert "Traceback" not in output
     for name in ("Apptainer", "Slurm", "Docker", "module load apptainer", "DOCKER_HOST"):
         assert name in output
+    assert "not ready for every role" in output
 
 
 def test_no_tools_json_lists_every_check(tmp_path: Path) -> None:

@@ -65,12 +65,16 @@ def doctor(
             " or ".join(PART_TITLES[part] for part in choice) for choice in REQUIRED_PARTS[role]
         )
         console.print(
-            f"[red bold]not ready[/] for the {role} role ({needed}): {names} missing; "
+            f"[red bold]not ready[/] for {_roles(role)} ({needed}): {names} missing; "
             "see the fix column",
             highlight=False,
         )
         raise typer.Exit(1)
-    console.print(f"[green]ready[/] for the {role} role", highlight=False)
+    console.print(f"[green]ready[/] for {_roles(role)}", highlight=False)
+
+
+def _roles(role: str) -> str:
+    return "every role" if role == "all" else f"the {role} role"
 
 
 def _table(report: Report) -> Table:

@@ -262,6 +262,11 @@ def load_run(run_dir: Path) -> RunRecord:
         ) from None
     except OSError:
         pass
+    if not run_dir.is_dir():
+        raise InputError(
+            f"{run_dir}: no such folder",
+            hint="pass the folder given to (or printed by) `harbor-hpc submit`",
+        )
     if not paths.record.is_file():
         raise InputError(
             f"{run_dir}: no {RUN_FILE} here, so not a harbor-hpc run folder",

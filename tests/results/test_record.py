@@ -72,6 +72,8 @@ def test_a_run_folder_is_never_reused(tmp_path: Path) -> None:
 
 
 def test_a_folder_without_run_json_is_named(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="nosuch: no such folder"):
+        load_run(tmp_path / "nosuch")
     with pytest.raises(InputError, match="not a harbor-hpc run folder"):
         load_run(tmp_path)
     RunPaths(tmp_path).record.write_text('{"schema": "other"}')
