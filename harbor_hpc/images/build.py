@@ -424,6 +424,10 @@ def run_build(
     """Make every planned image not already made; the manifest follows along."""
     builder.prepare(plan)
     _record_plan(plan, manifest_path, builder.destination)
+    # What a build prints may quote what it was given (build args, its files): the user's alone.
+    logs = build_logs(manifest_path)
+    logs.mkdir(mode=0o700, exist_ok=True)
+    logs.chmod(0o700)
     worker = _Worker(manifest_path, builder, on_progress or (lambda image, text: None))
     outcomes: list[ImageOutcome] = []
     pool = ThreadPoolExecutor(max_workers=max(1, jobs))
@@ -490,9 +494,14 @@ def _author_reference(reference: str, recorded: TaskRecord | None) -> VerifierRe
     return VerifierRecord(None, reference)
 
 
+def build_logs(manifest_path: Path) -> Path:
+    """The folder of the builds' output: beside the manifest, one file per image."""
+    return manifest_path.parent / f"{manifest_path.stem}.build-logs"
+
+
 def build_log(manifest_path: Path, image: PlannedImage) -> Path:
-    """Where the build of `image` writes its output: beside the manifest, one file per image."""
-    return manifest_path.parent / f"{manifest_path.stem}.build-logs" / f"{image.name}.log"
+    """Where the build of `image` writes its output."""
+    return build_logs(manifest_path) / f"{image.name}.log"
 
 
 class _Worker:

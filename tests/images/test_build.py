@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import stat
 import subprocess
 import sys
 import uuid
@@ -309,6 +310,8 @@ def test_password_registry_works_after_login_and_fails_clearly_without(
     written = [manifest.read_text(), pushed.stdout, pushed.stderr]
     written += [log.read_text() for log in tmp_path.glob("*.build-logs/*.log")]
     assert not any(secret in text for secret in secrets for text in written)
+    (logs,) = tmp_path.glob("*.build-logs")
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700  # what builds print is the user's alone
 
 
 @pytest.mark.docker
