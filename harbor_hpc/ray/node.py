@@ -21,6 +21,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from types import FrameType
 
+import psutil
+
 from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.core.files import atomic_write_text
 
@@ -46,6 +48,22 @@ def use_token(env: MutableMapping[str, str], cluster_dir: Path) -> None:
     env["RAY_AUTH_TOKEN_PATH"] = str(cluster_dir / "token")
 
 
+def _memory_share() -> list[str]:
+    """With several Ray nodes on one Slurm node, each node's share of its memory (the job's
+    --mem, else the machine's), split about as Ray splits a node's by default (7/10 for tasks
+    and actors, 3/10 for objects): each would otherwise offer all of it, and Ray would place on
+    the machine several times what it has."""
+    tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    if tasks <= 1:
+        return []
+    mem_mb = os.environ.get("SLURM_MEM_PER_NODE")
+    total = int(mem_mb) << 20 if mem_mb else psutil.virtual_memory().total
+    return [
+        f"--memory={total * 7 // 10 // tasks}",
+        f"--object-store-memory={total * 3 // 10 // tasks}",
+    ]
+
+
 def _ray_start(*options: str) -> list[str]:
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
     return [
@@ -55,6 +73,7 @@ def _ray_start(*options: str) -> list[str]:
         "start",
         "--block",
         f"--num-cpus={cpus}",
+        *_memory_share(),
         "--disable-usage-stats",
         *options,
     ]

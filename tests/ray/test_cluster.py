@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from harbor_hpc.slurm.cluster import job_state
@@ -122,6 +123,9 @@ def test_status_shows_the_node_and_its_free_resources(
         assert node["status"] in ("IDLE", "RUNNING")
         assert node["total"]["CPU"] == 1
         assert "token" not in {key.lower() for key in node}
+    # Two Ray nodes on one machine share its memory, not each offer all of it.
+    offered = sum(node["total"]["memory"] + node["total"]["object_store_memory"] for node in nodes)
+    assert offered <= psutil.virtual_memory().total
     shown = cli("ray", "status", "--cluster-dir", str(cluster_dir)).stdout
     assert cluster["address"] in shown and "(head)" in shown
 
