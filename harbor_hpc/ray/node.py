@@ -53,7 +53,9 @@ def _memory_share() -> list[str]:
     --mem, else the machine's), split about as Ray splits a node's by default (7/10 for tasks
     and actors, 3/10 for objects): each would otherwise offer all of it, and Ray would place on
     the machine several times what it has."""
-    tasks = int(os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    # A count, as `ray up` asks with --ntasks-per-node; anything else counts as one.
+    value = os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+    tasks = int(value) if value.isdigit() else 1
     if tasks <= 1:
         return []
     mem_mb = os.environ.get("SLURM_MEM_PER_NODE")
