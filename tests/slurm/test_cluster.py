@@ -11,7 +11,12 @@ import pytest
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor, NodeLimits, SlurmError
-from tests.support.fake_slurm import RECORDED, FakeSlurm
+from tests.support.fake_slurm import (
+    RECORDED,
+    SBATCH_BAD_PARTITION,
+    SBATCH_UNREACHABLE,
+    FakeSlurm,
+)
 
 # `squeue -h -r -o %i -j 275` of a held array `--array=0-5%2` on Slurm 22.05 prints each element;
 # without -r, or for elements not yet split off on other versions, the range itself.
@@ -125,10 +130,7 @@ def test_a_script_slurm_refuses_is_bad_input_unless_the_controller_is_unreachabl
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n#SBATCH --partition=nosuch\ntrue\n")
     fake_slurm.answer(
-        "sbatch",
-        stderr="sbatch: error: invalid partition specified: nosuch\n"
-        "sbatch: error: Batch job submission failed: Invalid partition name specified\n",
-        returncode=1,
+        "sbatch", stderr=SBATCH_BAD_PARTITION.format(partition="nosuch"), returncode=1
     )
     with pytest.raises(SlurmError) as refused:
         cluster.submit_script(script, what="the job", hint="check --partition")
@@ -137,12 +139,7 @@ def test_a_script_slurm_refuses_is_bad_input_unless_the_controller_is_unreachabl
         "Invalid partition name specified"
     )
     assert refused.value.exit_code == 2
-    fake_slurm.answer(
-        "sbatch",
-        stderr="sbatch: error: Batch job submission failed: Unable to contact slurm controller "
-        "(connect failure)\n",
-        returncode=1,
-    )
+    fake_slurm.answer("sbatch", stderr=SBATCH_UNREACHABLE, returncode=1)
     with pytest.raises(SlurmError) as unreachable:
         cluster.submit_script(script, what="the job", hint="check --partition")
     assert unreachable.value.exit_code == 1

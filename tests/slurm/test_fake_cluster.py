@@ -22,7 +22,7 @@ from harbor_hpc.slurm.cluster import SlurmError
 from harbor_hpc.slurm.runs import live_jobs, run_status
 from harbor_hpc.slurm.submit import SubmitOptions, resubmit_run, submit_run
 from tests.results.test_status import marker, record_with
-from tests.support.fake_slurm import FakeSlurm
+from tests.support.fake_slurm import SBATCH_BAD_PARTITION, SBATCH_UNREACHABLE, FakeSlurm
 from tests.support.sample_tasks import make_task
 
 TASKS = ("a", "b", "c")
@@ -50,12 +50,7 @@ def by_task(run_dir: Path) -> dict[str, tuple[str, str | None]]:
 def test_a_refused_submission_is_one_line_and_leaves_no_run(
     fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake_slurm.answer(
-        "sbatch",
-        stderr="sbatch: error: invalid partition specified: debug\n"
-        "sbatch: error: Batch job submission failed: Invalid partition name specified\n",
-        returncode=1,
-    )
+    fake_slurm.answer("sbatch", stderr=SBATCH_BAD_PARTITION.format(partition="debug"), returncode=1)
     run_dir = tmp_path / "run"
     with pytest.raises(SlurmError) as refused:
         submit_run(tasks, run_dir, options())
@@ -68,12 +63,7 @@ def test_a_refused_submission_is_one_line_and_leaves_no_run(
     assert capsys.readouterr().err == ""  # sbatch's words once, in the error, not raw before it
 
     # A controller that cannot be reached is the cluster's failure, not the request's.
-    fake_slurm.answer(
-        "sbatch",
-        stderr="sbatch: error: Batch job submission failed: Unable to contact slurm controller "
-        "(connect failure)\n",
-        returncode=1,
-    )
+    fake_slurm.answer("sbatch", stderr=SBATCH_UNREACHABLE, returncode=1)
     with pytest.raises(SlurmError) as unreachable:
         submit_run(tasks, run_dir, options())
     assert unreachable.value.exit_code == 1

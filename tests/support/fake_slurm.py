@@ -14,6 +14,16 @@ from pathlib import Path
 BIN = Path(__file__).with_name("fake_slurm")
 RECORDED = BIN / "recorded"
 
+# What Slurm 22.05's sbatch says when it refuses a partition, and when no controller answers.
+SBATCH_BAD_PARTITION = (
+    "sbatch: error: invalid partition specified: {partition}\n"
+    "sbatch: error: Batch job submission failed: Invalid partition name specified\n"
+)
+SBATCH_UNREACHABLE = (
+    "sbatch: error: Batch job submission failed: Unable to contact slurm controller "
+    "(connect failure)\n"
+)
+
 
 @dataclass(frozen=True)
 class FakeSlurm:
