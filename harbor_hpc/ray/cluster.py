@@ -289,10 +289,8 @@ def up(
 # Slurm's reasons for a job that asks for more than its partition, QOS or account gives: it may
 # wait for good (or until nodes come back).
 _BEYOND_LIMITS = ("Partition", "QOSMax", "AssocMax", "ReqNodeNotAvail")
-_BEYOND_HINT = (
-    " (more than the partition or your limits give: check --nodes, --time and --cpus-per-node;"
-    " Ctrl-C cancels the job)"
-)
+_BEYOND = "more than the partition or your limits give: check --nodes, --time and --cpus-per-node"
+_BEYOND_HINT = f" ({_BEYOND}; Ctrl-C cancels the job)"
 
 
 class _JobWatch:
@@ -313,10 +311,7 @@ class _JobWatch:
 
     def what_to_check(self) -> str:
         if self._told is not None and self._told[1].startswith(_BEYOND_LIMITS):
-            return (
-                "it asks for more than the partition or your limits give: check --nodes, "
-                "--time and --cpus-per-node"
-            )
+            return f"it asks for {_BEYOND}"
         if self.log.exists():
             return f"see its log {self.log}"
         return "is the partition busy (`squeue`)? a longer --wait-timeout waits for it"

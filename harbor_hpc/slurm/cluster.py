@@ -364,7 +364,7 @@ def submit_array(
         # `timeout` exits 124 (137 once killed) and says nothing.
         if getattr(exc.__cause__, "returncode", None) in (124, 137):
             said = f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s"
-            raise SlurmError(f"Slurm refused {what}: {said}", hint=hint) from None
+            raise _refused(what, said, hint, answered=False) from None
         raise _refused(what, " ".join(str(exc).split()) or type(exc).__name__, hint) from None
 
 
@@ -373,10 +373,10 @@ def submit_array(
 _UNREACHABLE = ("unable to contact", "timed out", "temporarily unable")
 
 
-def _refused(what: str, said: str, hint: str) -> SlurmError:
-    """sbatch's own refusal of `what`: bad input (exit 2, the request must change) unless it
-    says the controller could not be reached (exit 1)."""
-    unreachable = any(words in said.lower() for words in _UNREACHABLE)
+def _refused(what: str, said: str, hint: str, *, answered: bool = True) -> SlurmError:
+    """sbatch's refusal of `what`: bad input (exit 2, the request must change) when sbatch
+    `answered` so itself, unless it says the controller could not be reached (exit 1)."""
+    unreachable = not answered or any(words in said.lower() for words in _UNREACHABLE)
     return SlurmError(f"Slurm refused {what}: {said}", hint=hint, exit_code=1 if unreachable else 2)
 
 
@@ -434,10 +434,9 @@ def submit_script(script: Path, *, what: str, hint: str) -> str:
     by sbatch, or an sbatch that does not answer, is a `SlurmError` naming `what`."""
     require_sbatch(what, hint="run on a Slurm login node (`module load slurm`?)")
     ran = run(["sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
-    if ran.error:  # sbatch did not run to its end: it did not answer, or we were stopped
-        raise SlurmError(f"Slurm refused {what}: {ran.error}", hint=hint)
     if not ran.ok:
-        raise _refused(what, ran.why(), hint)
+        # An error: sbatch did not run to its end (it did not answer, or we were stopped).
+        raise _refused(what, ran.why(), hint, answered=not ran.error)
     # --parsable prints `id` or `id;cluster`.
     return ran.stdout.strip().split(";", 1)[0]
 
