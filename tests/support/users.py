@@ -21,6 +21,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -91,6 +92,21 @@ def other_user_problem() -> str | None:
         detail = (done.stderr or done.stdout).strip().splitlines()
         how = "" if tool == "runuser" else " (no password-less sudo rule for it)"
         return f"cannot run a command as {user!r} with {tool}{how}: {' '.join(detail[:2])}"
+    # The tests run this checkout's harbor-hpc as that user too: it must be able to read it.
+    done = subprocess.run(
+        other_user_command([sys.executable, "-c", "import harbor_hpc"]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        cwd="/",
+    )
+    if done.returncode != 0:
+        return (
+            f"{user!r} cannot run this checkout's Python ({sys.executable}): make the checkout "
+            "and the folders above it readable by others (o+rx), as .ci/run does"
+        )
     return None
 
 
