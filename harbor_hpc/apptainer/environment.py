@@ -251,8 +251,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     @classmethod
     @override
-    def preflight(cls) -> None:
+    def preflight(cls, kwargs: dict[str, Any] | None = None) -> None:
         """Before Harbor queues any trial: is there an Apptainer that starts, to run them with?"""
+        super().preflight(kwargs)
         problem = install_problem()
         if problem is not None:
             raise SystemExit(problem)
@@ -399,6 +400,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             binds += ["-B", f"{self._private_dir / 'resolv.conf'}:/etc/resolv.conf"]
         for mount in self._mounts:
             if mount.get("type", "bind") == "bind" and mount.get("source") and mount.get("target"):
+                # A missing source becomes a folder, as Docker makes it (Harbor 0.26 mounts a
+                # trial's artifacts folder before anything is in it).
+                Path(mount["source"]).mkdir(parents=True, exist_ok=True)
                 mode = ":ro" if mount.get("read_only") else ""
                 binds += ["-B", f"{mount['source']}:{mount['target']}{mode}"]
         return task_container_command(

@@ -211,7 +211,8 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
 
     @classmethod
     @override
-    def preflight(cls) -> None:
+    def preflight(cls, kwargs: dict[str, Any] | None = None) -> None:
+        super().preflight(kwargs)
         problem = ray_missing()
         if problem is not None:
             raise SystemExit(f"{problem}: {INSTALL_HINT}")
