@@ -42,7 +42,7 @@ APT_PKGS=(
   docker.io docker-registry apache2-utils debootstrap slurm-wlm munge
   squashfs-tools squashfuse fuse2fs fuse-overlayfs fuse3 uidmap patchelf tmux procps slirp4netns
   containernetworking-plugins gocryptfs curl ca-certificates iptables xz-utils zstd e2fsprogs util-linux passwd
-  sudo
+  sudo nftables
 )
 
 export DEBIAN_FRONTEND=noninteractive
@@ -570,6 +570,49 @@ part_apptainer_install() {
 }
 
 # ----------------------------------------------------------------------------------------------
+# 5d. An egress test host: a network namespace of this machine's own (10.79.0.2, a veth pair from
+# 10.79.0.1) where a server answers "reached PORT" on ports 80, 443 and 2222, for the network
+# policy tests: what a container's allowlist lets through reaches it, the rest is refused.
+EGRESS_NS=harbor-hpc-egress
+EGRESS_HOST=10.79.0.2
+egress_host_answers() {
+  [ "$(timeout 5 bash -c "exec 3<>/dev/tcp/$EGRESS_HOST/80; head -c 10 <&3" 2>/dev/null)" = "reached 80" ]
+}
+part_egress_host() {
+  if egress_host_answers; then
+    PART_NOTE="reused $EGRESS_HOST"
+    return 0
+  fi
+  if ! ip netns list | grep -qw "$EGRESS_NS"; then
+    ip netns add "$EGRESS_NS"
+    ip link add hh-egress0 type veth peer name hh-egress1
+    ip link set hh-egress1 netns "$EGRESS_NS"
+    ip addr add 10.79.0.1/24 dev hh-egress0
+    ip link set hh-egress0 up
+    ip -n "$EGRESS_NS" addr add "$EGRESS_HOST/24" dev hh-egress1
+    ip -n "$EGRESS_NS" link set hh-egress1 up
+    ip -n "$EGRESS_NS" link set lo up
+  fi
+  pkill -f 'harbor-hpc-egress-server' 2>/dev/null || true
+  setsid ip netns exec "$EGRESS_NS" python3 -c '
+import socketserver, sys  # harbor-hpc-egress-server
+class Reply(socketserver.BaseRequestHandler):
+    def handle(self):
+        self.request.sendall(b"reached %d\n" % self.server.server_address[1])
+class Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+import threading
+servers = [Server(("0.0.0.0", port), Reply) for port in (80, 443, 2222)]
+for server in servers[1:]:
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+servers[0].serve_forever()
+' harbor-hpc-egress-server >"$LOGS/egress-host.log" 2>&1 </dev/null 9>&- &
+  wait_for 20 "the egress test host at $EGRESS_HOST" egress_host_answers
+  PART_NOTE="started $EGRESS_HOST"
+}
+
+# ----------------------------------------------------------------------------------------------
 # 5c. Ordinary users: TEST_USER runs the tests (what cluster users are), OTHER_USER is "another
 # user" that TEST_USER becomes with sudo (no password, no root needed in the tests).
 SUBID_COUNT=65536
@@ -769,6 +812,7 @@ export HARBOR_HPC_TEST_WHEELS=$WHEELS
 export HARBOR_HPC_TEST_USER=$TEST_USER
 export HARBOR_HPC_TEST_OTHER_USER=$OTHER_USER
 export HARBOR_HPC_TEST_SLURM_PARTITION=debug
+export HARBOR_HPC_TEST_EGRESS_HOST=$EGRESS_HOST
 EOF
   chmod 644 "$tmp"
   if cmp -s "$tmp" "$ENV_FILE"; then
@@ -795,6 +839,7 @@ timed "4 munge+slurm" part_slurm
 bg_wait 5a-apptainer-fetch
 timed "5b apptainer install" part_apptainer_install
 timed "5c test users" part_users
+timed "5d egress test host" part_egress_host
 bg_wait 6a-rootfs-python
 bg_wait 6b-rootfs-nopython
 timed "6c base images" part_images

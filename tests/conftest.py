@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc import doctor
+from harbor_hpc.apptainer.egress import egress_problem
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.fetch.hub import Hub
 from harbor_hpc.ray.cluster import ray_missing
@@ -49,7 +51,17 @@ from tests.support.images import (
 from tests.support.small_disk import small_disk_problem
 from tests.support.users import lab_group_problem, other_user_problem
 
-PARTS = ("docker", "registry", "slurm", "apptainer", "other_user", "lab_group", "small_disk", "ray")
+PARTS = (
+    "docker",
+    "registry",
+    "slurm",
+    "apptainer",
+    "other_user",
+    "lab_group",
+    "small_disk",
+    "ray",
+    "egress",
+)
 
 
 @cache
@@ -65,7 +77,20 @@ def missing(part: str) -> str | None:
         return small_disk_problem()
     if part == "ray":
         return ray_missing()
+    if part == "egress":
+        return _egress_missing()
     return doctor.part_problem(part)
+
+
+def _egress_missing() -> str | None:
+    host = os.environ.get("HARBOR_HPC_TEST_EGRESS_HOST")
+    if not host:
+        return "HARBOR_HPC_TEST_EGRESS_HOST is not set (the test host .ci/provision.sh makes)"
+    try:
+        socket.create_connection((host, 80), timeout=5).close()
+    except OSError as exc:
+        return f"the egress test host {host} does not answer on port 80 ({exc})"
+    return egress_problem()
 
 
 def _registry_missing() -> str | None:

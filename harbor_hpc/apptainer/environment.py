@@ -26,6 +26,7 @@ import codecs
 import contextlib
 import functools
 import inspect
+import ipaddress
 import logging
 import os
 import re
@@ -44,10 +45,11 @@ from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
-from harbor.models.task.config import EnvironmentConfig, NetworkMode
+from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
+from harbor_hpc.apptainer.egress import Egress, egress_problem
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import (
     ContainerDied,
@@ -57,7 +59,13 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.network import RESOLV_CONF, OwnNetwork, own_network_problem
+from harbor_hpc.apptainer.network import (
+    ADMIN_HINT,
+    RESOLV_CONF,
+    OwnNetwork,
+    hosts_file,
+    own_network_problem,
+)
 from harbor_hpc.apptainer.probes import install_problem
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
@@ -98,9 +106,12 @@ _STDERR_TAIL_LINES = 40
 # Docker starts the ENTRYPOINT and goes on; so do we, after giving it this long to reach the
 # command it was handed (Harbor's `sleep infinity`), which entrypoints `exec` once set up.
 ENTRYPOINT_GRACE_SEC = 5.0
-# What an entrypoint started in the background (`server &; exec "$@"`) gets to come up before
-# the trial's first command: under Docker, Harbor's own start-up steps give it about this long.
-ENTRYPOINT_SETTLE_SEC = 1.0
+# What an entrypoint started in the background (`server &; exec "$@"`) comes up before the
+# trial's first command: the container's processes are waited for until none has run for
+# ENTRYPOINT_QUIET_SEC (a server blocked in accept), ENTRYPOINT_SETTLE_MAX_SEC at most (one that
+# keeps working, say).
+ENTRYPOINT_QUIET_SEC = 0.15
+ENTRYPOINT_SETTLE_MAX_SEC = 15.0
 # The named parameters of Harbor's BaseEnvironment that Harbor fills itself or users may set,
 # and the one it still takes (and ignores) through **kwargs.
 BASE_KWARGS = frozenset(
@@ -108,6 +119,20 @@ BASE_KWARGS = frozenset(
     for name in inspect.signature(BaseEnvironment.__init__).parameters
     if name not in {"self", "args", "kwargs"}
 ) | {"suppress_override_warnings"}
+
+
+def _tree_activity(pid: int) -> tuple[float, frozenset[int], bool]:
+    """The CPU time the process tree under `pid` has used, its pids, and whether one of them
+    runs or waits for the disk right now."""
+    cpu, pids, busy = 0.0, set(), False
+    for process in tree_processes(pid):
+        with contextlib.suppress(psutil.Error):
+            with process.oneshot():
+                times = process.cpu_times()
+                cpu += times.user + times.system
+                busy = busy or process.status() in {psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP}
+            pids.add(process.pid)
+    return cpu, frozenset(pids), busy
 
 
 def _flag(value: Any) -> bool:
@@ -146,6 +171,43 @@ def exported_by_setup(before: bytes, after: bytes) -> dict[str, str]:
     }
 
 
+def parse_extra_hosts(text: str | None) -> dict[str, list[str]]:
+    """`name:address,...` (docker run --add-host's form; an IPv6 address after the first colon)
+    as each name's addresses. Raises ValueError naming an entry that is not one."""
+    hosts: dict[str, list[str]] = {}
+    for entry in (text or "").split(","):
+        if not entry.strip():
+            continue
+        name, _, address = entry.strip().partition(":")
+        try:
+            ipaddress.ip_address(address.strip("[]"))
+        except ValueError:
+            raise ValueError(
+                f"extra_hosts entry {entry.strip()!r} is not NAME:ADDRESS (an IPv4 or IPv6 address)"
+            ) from None
+        hosts.setdefault(name.strip().lower(), []).append(address.strip("[]"))
+    return hosts
+
+
+def environment_capabilities(*, mounted: bool) -> EnvironmentCapabilities:
+    """What a task may ask of our environments on this node: no network is an empty network
+    namespace; an allowlist, and a policy per phase, where the container gets a network of its
+    own and nftables (egress.py)."""
+    egress = egress_problem() is None
+    return EnvironmentCapabilities(
+        mounted=mounted,
+        disable_internet=True,
+        network_allowlist=egress,
+        network_allowlist_hostnames=egress,
+        network_allowlist_wildcard_hostnames=egress,
+        network_allowlist_ipv4_addresses=egress,
+        network_allowlist_ipv6_addresses=egress,
+        network_allowlist_ipv4_cidrs=egress,
+        network_allowlist_ipv6_cidrs=egress,
+        dynamic_network_policy=egress,
+    )
+
+
 class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor ships no types
     """Runs a task in an Apptainer container from a .sif or a registry reference.
 
@@ -167,6 +229,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             (0.05; see harbor_hpc/apptainer/watchdog.py).
         scratch_dir: where the private per-trial folder goes (staging and the writable
             overlay; default: $TMPDIR, which Slurm sites point at node-local scratch).
+        extra_hosts: `name:address,...` lines for the container's /etc/hosts, as
+            `docker run --add-host` (a network allowlist resolves these names so too).
     """
 
     def __init__(
@@ -187,6 +251,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         memory_kill_fraction: float = 0.95,
         memory_poll_interval_sec: float = 0.05,
         scratch_dir: Path | str | None = None,
+        extra_hosts: str | None = None,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - BASE_KWARGS)
@@ -211,6 +276,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             )
         self._poll_interval = float(memory_poll_interval_sec)
         self._scratch_root = Path(scratch_dir).expanduser() if scratch_dir else None
+        self._extra_hosts = parse_extra_hosts(extra_hosts)
         super().__init__(
             environment_dir=environment_dir,
             environment_name=environment_name,
@@ -229,6 +295,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._watchdog: MemoryWatchdog | None = None
         self._own_network = False
         self._network: OwnNetwork | None = None
+        self._egress: Egress | None = None
+        # The container's name, as Docker names one (the first 12 hex digits of its id).
+        self.hostname = uuid.uuid4().hex[:12]
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
         self._stderr_task: asyncio.Task[None] | None = None
 
@@ -245,9 +314,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     @property
     @override
     def capabilities(self) -> EnvironmentCapabilities:
-        # The trial's log folders are bind-mounted: Harbor reads them on the host. No network
-        # is an empty network namespace; an allowlist is not something Apptainer can enforce.
-        return EnvironmentCapabilities(mounted=True, disable_internet=True)
+        return environment_capabilities(mounted=True)
 
     @classmethod
     @override
@@ -354,8 +421,18 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         private = self._scratch.path
         (private / "overlay").mkdir()
         (private / "tmp").mkdir()
-        (private / "resolv.conf").write_text(RESOLV_CONF)
-        (private / "resolv.conf").chmod(0o644)  # apt's `_apt` resolves names too
+        # What Docker writes into every container (apt's `_apt` reads them too: 0644).
+        files = {"resolv.conf": RESOLV_CONF, "hostname": f"{self.hostname}\n"}
+        files["hosts"] = hosts_file(
+            self.hostname, own_network=self._own_network, extra=self._extra_hosts
+        )
+        if not (self._own_network or self._no_network):
+            # The node's network, as Docker's host network: the node's names too.
+            with contextlib.suppress(OSError):
+                files["hosts"] = Path("/etc/hosts").read_text() + files["hosts"]
+        for name, text in files.items():
+            (private / name).write_text(text)
+            (private / name).chmod(0o644)
         staging = private / "staging"
         server_dir = staging / ".hh"
         for folder in (staging, server_dir, server_dir / "req", server_dir / "out"):
@@ -379,15 +456,27 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             shutil.copytree(env_files, staging / "env_files", symlinks=True)
 
     @property
+    def _policies(self) -> list[NetworkPolicy]:
+        """The policy the container starts with, then those of the trial's phases."""
+        return [self._network_policy, *self._phase_network_policies]
+
+    @property
     def _no_network(self) -> bool:
-        return bool(self._network_policy.network_mode == NetworkMode.NO_NETWORK)
+        """No phase may use the network: the container starts without any (only loopback)."""
+        return all(policy.network_mode == NetworkMode.NO_NETWORK for policy in self._policies)
 
     def _choose_network(self) -> None:
         """No network, a network of the container's own (slirp4netns), or else the node's."""
         problem = None if self._no_network else own_network_problem()
         self._own_network = not self._no_network and problem is None
         if problem is not None:
-            self.logger.debug("the container shares the node's network: %s", problem)
+            self.logger.warning(
+                "task %s: the container shares the node's network, unlike Docker's own "
+                "(ports and the node's loopback services are shared): %s; %s",
+                self.environment_name,
+                problem,
+                ADMIN_HINT,
+            )
 
     def _command(self, flags: tuple[str, ...]) -> list[str]:
         assert self.sif_path is not None and self._private_dir is not None
@@ -396,8 +485,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             # Without root the overlay cannot copy the image's root-owned /tmp up: a private
             # folder of the user's stands in for it.
             binds += ["-B", f"{self._private_dir / 'tmp'}:/tmp"]
+        names = ["hosts"]
+        if self._own_network or self._no_network:
+            # A name of its own, as Docker gives every container (not the node's).
+            names.append("hostname")
+            binds += ["--uts", "--hostname", self.hostname]
         if self._own_network:
-            binds += ["-B", f"{self._private_dir / 'resolv.conf'}:/etc/resolv.conf"]
+            names.append("resolv.conf")
+        binds += [
+            arg for name in names for arg in ("-B", f"{self._private_dir / name}:/etc/{name}")
+        ]
         for mount in self._mounts:
             if mount.get("type", "bind") == "bind" and mount.get("source") and mount.get("target"):
                 # A missing source becomes a folder, as Docker makes it (Harbor 0.26 mounts a
@@ -449,6 +546,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 )
             try:
                 self._network = await OwnNetwork.attach(server)
+                if any(p.network_mode != NetworkMode.PUBLIC for p in self._policies):
+                    await self._egress_for(server).apply(self._network_policy)
             except RuntimeError as exc:
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         memory_mb = self._effective_memory_mb
@@ -463,6 +562,27 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 tmpfs_paths=tuple(f"/proc/{server}/fd/{fd}" for fd in TMPFS_FDS if server),
             )
             self._watchdog.start()
+
+    def _egress_for(self, server: int) -> Egress:
+        if self._egress is None:
+            self._egress = Egress(
+                server,
+                {self.hostname: ["127.0.0.1"], **self._extra_hosts},
+                lambda line: self.logger.info("[egress] %s", line),
+            )
+        return self._egress
+
+    @override
+    async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
+        """A phase's policy (Harbor switches between agent and verifier): only where the
+        container has a network of its own (capabilities say so otherwise)."""
+        server = self._server_pid() if self._own_network and self._process else None
+        if server is None:
+            raise RuntimeError(
+                f"task {self.environment_name}: the container has no network of its own to "
+                f"apply the {network_policy.network_mode.value} network policy to"
+            )
+        await self._egress_for(server).apply(network_policy)
 
     def _server_pid(self) -> int | None:
         """The host pid of the in-container server: the topmost process of the container that
@@ -510,7 +630,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 return
             await asyncio.sleep(0.02)
         if ready.exists():
-            await asyncio.sleep(ENTRYPOINT_SETTLE_SEC)
+            await self._settle()
         elif ended.exists():
             log = (staging / ".hh" / "entrypoint.log").read_text(errors="replace")[-2000:]
             self.logger.warning(
@@ -518,6 +638,25 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 ended.read_text().strip(),
                 log,
             )
+
+    async def _settle(self) -> None:
+        """Wait until the container's processes have run for none of ENTRYPOINT_QUIET_SEC:
+        what the ENTRYPOINT started in the background is then up (a server waits in accept),
+        however busy the node; ENTRYPOINT_SETTLE_MAX_SEC at most."""
+        assert self._process is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ENTRYPOINT_SETTLE_MAX_SEC
+        last: tuple[float, frozenset[int]] | None = None
+        quiet_since = loop.time()
+        while loop.time() < deadline:
+            now = await asyncio.to_thread(_tree_activity, self._process.pid)
+            if now[:2] != last or now[2]:
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= ENTRYPOINT_QUIET_SEC:
+                return
+            last = now[:2]
+            await asyncio.sleep(0.03)
+        self.logger.debug("the ENTRYPOINT's processes still run; the trial goes on beside them")
 
     async def _collect_stderr(self) -> None:
         assert self._process is not None and self._process.stderr is not None
@@ -771,6 +910,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             channel.shutdown()
         if process is not None:
             await self._end_process(process, tree)
+        if self._egress is not None:
+            await self._egress.close()
+            self._egress = None
         if self._network is not None:
             await self._network.close()
             self._network = None

@@ -17,12 +17,24 @@ import asyncio
 import contextlib
 import os
 import shutil
+from collections.abc import Mapping
 from functools import cache
 
 SLIRP4NETNS = "slirp4netns"
 TUN = "/dev/net/tun"
-# slirp4netns's DNS forwarder inside the container's network.
-RESOLV_CONF = "nameserver 10.0.2.3\n"
+# slirp4netns's DNS forwarder inside the container's network, and the container's address.
+NAMESERVER = "10.0.2.3"
+RESOLV_CONF = f"nameserver {NAMESERVER}\n"
+CONTAINER_ADDRESS = "10.0.2.100"
+# What Docker writes into every container's /etc/hosts before its own address and name.
+HOSTS_HEADER = (
+    "127.0.0.1\tlocalhost\n"
+    "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    "fe00::0\tip6-localnet\n"
+    "ff00::0\tip6-mcastprefix\n"
+    "ff02::1\tip6-allnodes\n"
+    "ff02::2\tip6-allrouters\n"
+)
 # How long slirp4netns may take to configure the container's network (it fails by exiting,
 # at once): it comes up in milliseconds, but a node starting a hundred containers at once (a
 # Ray node's, its processes at Ray's default niceness 15) was seen to take more than ten seconds.
@@ -31,6 +43,15 @@ ADMIN_HINT = (
     "an admin installs slirp4netns and makes /dev/net/tun readable and writable by users "
     "(mode 666, as most distributions ship it)"
 )
+
+
+def hosts_file(hostname: str, *, own_network: bool, extra: Mapping[str, list[str]]) -> str:
+    """/etc/hosts as Docker writes it: loopback names, the container's address and name (its
+    own network's; 127.0.1.1 without one, as Debian names a host), then `extra` (--add-host)."""
+    address = CONTAINER_ADDRESS if own_network else "127.0.1.1"
+    lines = [f"{address}\t{hostname}"]
+    lines += [f"{ip}\t{name}" for name, addresses in extra.items() for ip in addresses]
+    return HOSTS_HEADER + "\n".join(lines) + "\n"
 
 
 @cache
