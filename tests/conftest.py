@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc import doctor
-from harbor_hpc.apptainer.egress import egress_problem
+from harbor_hpc.apptainer.network import egress_problem
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.fetch.hub import Hub
 from harbor_hpc.ray.cluster import ray_missing

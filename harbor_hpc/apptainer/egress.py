@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import sys
 from collections.abc import Callable, Mapping
-from functools import cache
 
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
-from harbor_hpc.apptainer.network import NAMESERVER, own_network_problem
+from harbor_hpc.apptainer.network import NAMESERVER
 from harbor_hpc.core.templates import template_path
 
 TABLE = "harbor_hpc"
@@ -31,20 +29,6 @@ TABLE = "harbor_hpc"
 MARK = 0x4842
 START_TIMEOUT_SEC = 30.0
 NFT_TIMEOUT_SEC = 30.0
-
-
-@cache
-def egress_problem() -> str | None:
-    """Why a task's network policy beyond no network or the internet cannot be enforced here."""
-    problem = own_network_problem()
-    if problem is not None:
-        return f"containers get no network of their own ({problem})"
-    for tool in ("nft", "nsenter"):
-        if shutil.which(tool) is None:
-            return (
-                f"{tool} is not on PATH (package {'nftables' if tool == 'nft' else 'util-linux'})"
-            )
-    return None
 
 
 def ruleset(policy: NetworkPolicy, proxy_port: int | None) -> str:

@@ -49,7 +49,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
-from harbor_hpc.apptainer.egress import Egress, egress_problem
+from harbor_hpc.apptainer.egress import Egress
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import (
     ContainerDied,
@@ -63,6 +63,7 @@ from harbor_hpc.apptainer.network import (
     ADMIN_HINT,
     RESOLV_CONF,
     OwnNetwork,
+    egress_problem,
     hosts_file,
     own_network_problem,
 )
@@ -189,11 +190,14 @@ def parse_extra_hosts(text: str | None) -> dict[str, list[str]]:
     return hosts
 
 
-def environment_capabilities(*, mounted: bool) -> EnvironmentCapabilities:
-    """What a task may ask of our environments on this node: no network is an empty network
-    namespace; an allowlist, and a policy per phase, where the container gets a network of its
-    own and nftables (egress.py)."""
-    egress = egress_problem() is None
+def environment_capabilities(
+    *, mounted: bool, egress: bool | None = None
+) -> EnvironmentCapabilities:
+    """What a task may ask of our environments: no network is an empty network namespace; an
+    allowlist, and a policy per phase, where the container gets a network of its own and
+    nftables (`egress`: on this node, by default)."""
+    if egress is None:
+        egress = egress_problem() is None
     return EnvironmentCapabilities(
         mounted=mounted,
         disable_internet=True,
@@ -603,8 +607,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         """Start the image's ENTRYPOINT as Docker does under Harbor, which replaces CMD with
         `sh -c "sleep infinity"`: in the background, as the image's user, and go on once it
         ran that command (entrypoints set things up, then `exec "$@"`) and what it started in
-        the background had ENTRYPOINT_SETTLE_SEC to come up, or it ended, or had
-        ENTRYPOINT_GRACE_SEC."""
+        the background is up (`_settle`), or it ended, or had ENTRYPOINT_GRACE_SEC."""
         if not self.image.entrypoint:
             return
         staging = self.staging_host_dir

@@ -139,3 +139,17 @@ class OwnNetwork:
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
             await self._process.wait()
+
+
+@cache
+def egress_problem() -> str | None:
+    """Why a task's network policy beyond no network or the internet cannot be enforced here."""
+    problem = own_network_problem()
+    if problem is not None:
+        return f"containers get no network of their own ({problem})"
+    for tool in ("nft", "nsenter"):
+        if shutil.which(tool) is None:
+            return (
+                f"{tool} is not on PATH (package {'nftables' if tool == 'nft' else 'util-linux'})"
+            )
+    return None

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harbor_hpc.apptainer.network import ADMIN_HINT, own_network_problem
+from harbor_hpc.apptainer.network import ADMIN_HINT, egress_problem, own_network_problem
 from harbor_hpc.apptainer.runtime import (
     CANDIDATE_FLAGS,
     FAKEROOT,
@@ -67,6 +67,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         fuse_finding(),
         squashfuse_finding(build_config),
         network_finding(),
+        network_policy_finding(),
     ]
     if userns.status is not Status.OK and not _is_setuid_root(_suid_starter_path(build_config)):
         found.append(
@@ -240,6 +241,24 @@ def network_finding() -> Finding:
         Status.WARN,
         f"{problem}: containers with network share the node's (ports collide, none below 1024)",
         ADMIN_HINT,
+    )
+
+
+def network_policy_finding() -> Finding:
+    """What a task may ask of its network beyond the internet (Harbor's capabilities)."""
+    problem = egress_problem()
+    if problem is None:
+        return Finding(
+            "network policies",
+            Status.OK,
+            "no network, allowlists (hostnames, *.wildcards, IPv4/IPv6 addresses and CIDRs), "
+            "a policy per phase",
+        )
+    return Finding(
+        "network policies",
+        Status.WARN,
+        f"no network only: {problem}; tasks with an allowlist or a policy per phase are refused",
+        ADMIN_HINT if own_network_problem() else "an admin installs nftables (`nft`)",
     )
 
 

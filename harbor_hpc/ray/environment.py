@@ -29,10 +29,14 @@ from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
-from harbor.models.task.config import EnvironmentConfig
+from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import BASE_KWARGS, SingularityEnvironment
+from harbor_hpc.apptainer.environment import (
+    BASE_KWARGS,
+    SingularityEnvironment,
+    environment_capabilities,
+)
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
@@ -207,7 +211,14 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
     @override
     def capabilities(self) -> EnvironmentCapabilities:
         # The log folders are on the container's node, not mounted from here: Harbor copies them.
-        return EnvironmentCapabilities(mounted=False, disable_internet=True)
+        # The node enforces a network policy, or its environment refuses to start, naming why.
+        return environment_capabilities(mounted=False, egress=True)
+
+    @override
+    async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
+        if self._host is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        await self._call(self._host.set_network_policy.remote(self._id, network_policy))
 
     @classmethod
     @override

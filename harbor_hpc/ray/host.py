@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 from harbor.environments.base import transfer_tar_filter
-from harbor.models.task.config import EnvironmentConfig
+from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
@@ -114,6 +114,9 @@ class EnvironmentHost:
         except BaseException:
             del self._environments[env_id]
             raise
+
+    async def set_network_policy(self, env_id: str, policy: NetworkPolicy) -> None:
+        await self._environment(env_id).set_network_policy(policy)
 
     async def exec(self, request: ExecRequest) -> tuple[str | None, str | None, int]:
         result = await self._environment(request.env_id).exec(*request[1:])

@@ -210,6 +210,10 @@ def test_each_container_has_a_network_of_its_own(
             seen["interfaces"] = await run(one, interfaces)
             seen["closed out"] = await run(offline, connect_command(*host_listener))
             seen["closed interfaces"] = await run(offline, interfaces)
+            # Names resolve as in Docker, without a network too (Python resolves for itself).
+            names = "python3 -c 'import socket; print(socket.gethostbyname(\"localhost\"))'"
+            seen["closed names"] = await run(offline, names + "; hostname")
+            seen["hostname"] = offline.hostname
         finally:
             await asyncio.gather(*(e.stop(delete=True) for e in (one, two, offline)))
         return seen
@@ -221,6 +225,7 @@ def test_each_container_has_a_network_of_its_own(
     assert seen["interfaces"] == "lo\ntap0\n"
     assert "unreachable" in seen["closed out"], seen["closed out"]
     assert seen["closed interfaces"] == "lo\n"
+    assert seen["closed names"] == f"127.0.0.1\n{seen['hostname']}\n"
 
 
 @pytest.mark.apptainer

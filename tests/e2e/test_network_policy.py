@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -20,7 +21,11 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.egress import ruleset
-from harbor_hpc.apptainer.environment import SingularityEnvironment, parse_extra_hosts
+from harbor_hpc.apptainer.environment import (
+    SingularityEnvironment,
+    environment_capabilities,
+    parse_extra_hosts,
+)
 from tests.apptainer.test_environment import reward, run_trial
 
 # Connects to HOST:PORT, sends what a client of KIND sends first (a TLS ClientHello naming
@@ -202,3 +207,22 @@ def test_harbor_switches_the_policy_between_agent_and_verifier(
     result = run_trial(task, tmp_path / "trials", f"extra_hosts={extra}")
     seen = next((tmp_path / "trials").glob("phases__*/verifier/seen.txt"), None)
     assert reward(result) == 1.0, (result.get("exception_info"), seen and seen.read_text())
+
+
+def test_the_readme_table_is_what_the_environment_declares() -> None:
+    """Each capability the README's table names is declared where the node can enforce it, and
+    those it says are not there yet are not."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("| a task asks for | Harbor's capability | here |", 1)[1].split("\n\n")[0]
+    declared = environment_capabilities(mounted=True, egress=True).model_dump()
+    named = {}
+    for row in table.strip().splitlines()[1:]:
+        _, capability, here = (cell.strip() for cell in row.strip("|").split("|"))
+        for name in re.findall(r"`(\w+)`", capability):
+            named[name] = not here.startswith("not yet")
+    assert named, "the README's table names no capability"
+    for name, given in named.items():
+        assert declared[name] is given, name
+    # Each allowlist entry kind goes with the allowlist.
+    kinds = [name for name in declared if name.startswith("network_allowlist_")]
+    assert len(kinds) == 6 and all(declared[name] for name in kinds)

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.
 DRIVER = """
 import asyncio, json, logging, os, sys, time
 from pathlib import Path
-from harbor.models.task.config import EnvironmentConfig
+from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 from harbor_hpc.environment import RaySingularityEnvironment
 
@@ -106,6 +106,15 @@ async def main():
         ]
     answers["env"] = (await remote.exec("echo $A-$B", env={"A": "1", "B": "two words"})).stdout
     answers["user"] = (await remote.exec("id -un", user="nobody")).stdout
+    # A phase's network policy is the node's container's: Harbor switches it through the driver.
+    host = os.environ.get("HARBOR_HPC_TEST_EGRESS_HOST", "10.79.0.2")
+    code = ("import socket; connection = socket.create_connection(('%s', 2222), timeout=30); "
+            "print(connection.recv(20).decode().strip())" % host)
+    reach = f'python3 -c "{code}" 2>&1 | tail -n 1'
+    await remote.set_network_policy(NetworkPolicy(network_mode=NetworkMode.NO_NETWORK))
+    answers["closed"] = (await remote.exec(reach)).stdout
+    await remote.set_network_policy(NetworkPolicy())
+    answers["open"] = (await remote.exec(reach)).stdout
     answers["timeout"] = ""
     try:
         await remote.exec("sleep 5", timeout_sec=1)
@@ -116,6 +125,7 @@ async def main():
 """
 
 
+@pytest.mark.egress
 def test_commands_answer_as_in_the_local_environment(
     ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
 ) -> None:
@@ -125,6 +135,8 @@ def test_commands_answer_as_in_the_local_environment(
     assert answer["remote"][-1] == ["0\n", 0]  # niceness 0, as in Docker (Ray's default: 15)
     assert answer["env"] == "1-two words\n"
     assert answer["user"] == "nobody\n"
+    assert "ConnectionRefusedError" in answer["closed"], answer["closed"]
+    assert answer["open"] == "reached 2222\n"
     assert answer["timeout"] == "RuntimeError: Command timed out after 1 seconds"
     assert answer["node"] == ray_cluster["address"].rpartition(":")[0]
     # The container's processes are not the driver's: they run under the node's Ray host.
