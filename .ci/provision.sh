@@ -374,6 +374,19 @@ part_slurm() {
     changed=1
   fi
   rm -f "$tmp"
+  # Two GPUs of the type `fake` (GRES), whose device files stand in for a GPU's (as /dev/null
+  # does): Slurm hands them out and sets CUDA_VISIBLE_DEVICES as for real ones.
+  local gpu
+  for gpu in 0 1; do
+    [ -c "/dev/harbor-hpc-gpu$gpu" ] || mknod -m 666 "/dev/harbor-hpc-gpu$gpu" c 1 3
+  done
+  tmp=$(mktemp)
+  echo "NodeName=$SLURM_HOST Name=gpu Type=fake File=/dev/harbor-hpc-gpu[0-1]" >"$tmp"
+  if ! cmp -s "$tmp" /etc/slurm/gres.conf; then
+    install -m 644 "$tmp" /etc/slurm/gres.conf
+    changed=1
+  fi
+  rm -f "$tmp"
   # No cgroup.conf: with proctrack/linuxproc and task/none slurmd loads no cgroup plugin.
   install -d -m 755 /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
 

@@ -48,6 +48,7 @@ from harbor.environments.capabilities import (
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
+from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
 from harbor_hpc.apptainer.egress import Egress
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
@@ -209,6 +210,8 @@ def environment_capabilities(
         network_allowlist_ipv4_cidrs=egress,
         network_allowlist_ipv6_cidrs=egress,
         dynamic_network_policy=egress,
+        # The devices Slurm gave the job (gpus.py); `submit` asks for them.
+        gpus=True,
     )
 
 
@@ -300,6 +303,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._own_network = False
         self._network: OwnNetwork | None = None
         self._egress: Egress | None = None
+        self._gpus: list[str] = []
         # The container's name, as Docker names one (the first 12 hex digits of its id).
         self.hostname = uuid.uuid4().hex[:12]
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
@@ -407,6 +411,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"task {self.environment_name}: {exc.message} ({exc.hint})"
             ) from exc
         self._choose_network()
+        if self._effective_gpus:
+            try:
+                self._gpus = gpus.take(self._effective_gpus)
+            except RuntimeError as exc:
+                raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         self._prepare_scratch()
         try:
             await self._launch(flags)
@@ -448,10 +457,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         shutil.copy(template_path("apptainer_server.sh"), server_dir / "server.sh")
         # The image's ENV, which the server makes its environment (Apptainer's own start-up
         # would let its LANG=C win over the image's, and adds variables Docker does not).
+        env = dict(self.image.env)
+        if self._gpus and gpus.node_driver() == "--nv":
+            # The driver's libraries where --nv binds them, as Docker's runtime installs them.
+            env["LD_LIBRARY_PATH"] = ":".join(
+                part for part in (env.get("LD_LIBRARY_PATH", ""), gpus.DRIVER_LIBS) if part
+            )
         (server_dir / "env").write_bytes(
             b"".join(
                 f"{name}={value}".encode() + b"\0"
-                for name, value in self.image.env.items()
+                for name, value in env.items()
                 if _ENV_NAME.match(name)
             )
         )
@@ -506,6 +521,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 Path(mount["source"]).mkdir(parents=True, exist_ok=True)
                 mode = ":ro" if mount.get("read_only") else ""
                 binds += ["-B", f"{mount['source']}:{mount['target']}{mode}"]
+        if self._gpus:
+            binds += gpus.container_options(self._gpus)
         return task_container_command(
             self.sif_path,
             flags,
@@ -927,6 +944,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._stderr_task
             self._stderr_task = None
+        gpus.give_back(self._gpus)
+        self._gpus = []
         if self._scratch is not None:
             if not await asyncio.to_thread(self._scratch.remove):
                 self.logger.warning("could not remove all of %s", self._scratch.path)

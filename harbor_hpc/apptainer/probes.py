@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.network import ADMIN_HINT, egress_problem, own_network_problem
 from harbor_hpc.apptainer.runtime import (
     CANDIDATE_FLAGS,
@@ -68,6 +69,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         squashfuse_finding(build_config),
         network_finding(),
         network_policy_finding(),
+        gpu_finding(),
     ]
     if userns.status is not Status.OK and not _is_setuid_root(_suid_starter_path(build_config)):
         found.append(
@@ -259,6 +261,25 @@ def network_policy_finding() -> Finding:
         Status.WARN,
         f"no network only: {problem}; tasks with an allowlist or a policy per phase are refused",
         ADMIN_HINT if own_network_problem() else "an admin installs nftables (`nft`)",
+    )
+
+
+def gpu_finding() -> Finding:
+    """Whether containers on this node can be given GPUs (a task's `gpus`)."""
+    driver = gpus.node_driver()
+    variable, devices = gpus.given_devices()
+    given = f"; this process was given {variable}={','.join(devices)}" if devices else ""
+    if driver is not None:
+        kind = "NVIDIA" if driver == "--nv" else "AMD ROCm"
+        return Finding(
+            "GPUs", Status.OK, f"{kind} driver, given to containers with {driver}{given}"
+        )
+    return Finding(
+        "GPUs",
+        Status.WARN,
+        f"no NVIDIA or AMD GPU driver on this node{given}: containers here get no GPU",
+        "tasks that ask for GPUs run on the nodes Slurm gives them (harbor-hpc submit asks "
+        "for them); run doctor there to check",
     )
 
 

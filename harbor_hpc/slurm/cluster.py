@@ -154,18 +154,36 @@ def queued_jobs(job_ids: Collection[str], *, timeout: float = QUERY_TIMEOUT_S) -
 class NodeLimits:
     cpus: int
     mem_mb: int
+    # The GPU types the partition's nodes offer, as Slurm names them (`gpu:a100:4` -> a100).
+    gpu_types: frozenset[str] = frozenset()
+
+
+def gres_gpu_types(gres: str) -> set[str]:
+    """The GPU types of a node's GRES as sinfo shows it (`gpu:a100:4(S:0-1),gpu:h100:2`)."""
+    types = set()
+    for item in gres.split(","):
+        parts = item.split("(", 1)[0].split(":")
+        if parts[0] == "gpu" and len(parts) == 3:
+            types.add(parts[1])
+    return types
 
 
 def parse_node_limits(text: str) -> NodeLimits | None:
-    """The biggest node of `sinfo -h -o "%c %m"` output (a `+` marks the smallest of a range)."""
-    nodes = []
+    """The biggest node of `sinfo -h -o "%c %m %G"` output (a `+` marks the smallest of a
+    range), with the GPU types of every node."""
+    nodes, gpu_types = [], set()
     for line in text.splitlines():
-        cpus, _, mem = line.strip().partition(" ")
+        cpus, _, rest = line.strip().partition(" ")
+        mem, _, gres = rest.partition(" ")
+        gpu_types |= gres_gpu_types(gres)
         try:
             nodes.append(NodeLimits(int(cpus.rstrip("+")), int(mem.rstrip("+"))))
         except ValueError:
             continue
-    return max(nodes, key=lambda node: (node.mem_mb, node.cpus), default=None)
+    biggest = max(nodes, key=lambda node: (node.mem_mb, node.cpus), default=None)
+    if biggest is None:
+        return None
+    return NodeLimits(biggest.cpus, biggest.mem_mb, frozenset(gpu_types))
 
 
 def partition_limits(
@@ -173,7 +191,7 @@ def partition_limits(
 ) -> NodeLimits | None:
     """The biggest node of `partition` (the default partition when None); None when sinfo
     lists none (an unknown partition, which sbatch then refuses by name)."""
-    command = ["sinfo", "-h", "-o", "%c %m"]
+    command = ["sinfo", "-h", "-o", "%c %m %G"]
     if partition:
         command += ["-p", partition]
     hint = f"submit needs sinfo to size the jobs; {CONTROLLER_HINT}"
@@ -295,6 +313,8 @@ class JobRequest:
     mem_mb: int
     cpus: int
     gpus: int = 0
+    # The GPU type as Slurm names it (a GRES type), or None for any.
+    gpu_type: str | None = None
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
@@ -339,7 +359,8 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
     parameters.update({key: value for key, value in optional.items() if value})
     if request.gpus:
         # GRES is what every Slurm with GPUs takes; a gres of the user's (--sbatch-arg) wins.
-        parameters["gres"] = f"gpu:{request.gpus}"
+        kind = f"{request.gpu_type}:" if request.gpu_type else ""
+        parameters["gres"] = f"gpu:{kind}{request.gpus}"
     slurm.update_parameters(**parameters)
     return slurm
 

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm.cluster import NodeLimits
 from harbor_hpc.tasks.discovery import Task
 
@@ -35,6 +36,9 @@ class Resources:
     mem_mb: int
     cpus: int
     gpus: int = 0
+    # The GPU types the tasks accept (task.toml's spelling until fit to a partition's, which
+    # keeps the one Slurm will be asked for).
+    gpu_types: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -49,12 +53,18 @@ class TrialRequest:
     gpus: int
     # The longest the trial may take (`trial_budget_sec`).
     seconds: float
+    gpu_types: tuple[str, ...] = ()
 
 
 def trial_request(task: Task) -> TrialRequest:
     gpus: int | None = task.config.environment.gpus
+    types: list[str] | None = task.config.environment.gpu_types if gpus else None
     return TrialRequest(
-        task.cpus or 1, task.memory_mb or DEFAULT_MEMORY_MB, gpus or 0, trial_budget_sec(task)
+        task.cpus or 1,
+        task.memory_mb or DEFAULT_MEMORY_MB,
+        gpus or 0,
+        trial_budget_sec(task),
+        tuple(types or ()),
     )
 
 
@@ -80,18 +90,39 @@ def element_resources(tasks: list[Task], *, trials: int, concurrency: int) -> Re
     time_min = math.ceil(waves * slowest * TIME_HEADROOM / 60) + TIME_HEADROOM_MIN
     memory = max(request.mem_mb for request in requests)
     cpus = max(request.cpus for request in requests)
-    gpus = max(request.gpus for request in requests)
+    most = max(requests, key=lambda request: request.gpus)
     return Resources(
-        time_min, parallel * memory + WORKER_MEMORY_MB, parallel * cpus, parallel * gpus
+        time_min,
+        parallel * memory + WORKER_MEMORY_MB,
+        parallel * cpus,
+        parallel * most.gpus,
+        most.gpu_types,
     )
 
 
 def fit_to_node(resources: Resources, limits: NodeLimits | None) -> Resources:
+    """`resources` cut to the partition's biggest node, and the first GPU type the tasks accept
+    that its nodes offer, as Slurm names it (task.toml says `H100`, Slurm `h100`, say).
+
+    Raises InputError when the partition offers none of the types the tasks accept."""
     if limits is None:
         return resources
+    gpu_types = resources.gpu_types
+    if resources.gpus and gpu_types:
+        offered = {name.lower(): name for name in limits.gpu_types}
+        chosen = [offered[name.lower()] for name in gpu_types if name.lower() in offered]
+        if not chosen:
+            raise InputError(
+                f"the tasks ask for GPUs of type {' or '.join(gpu_types)}; the partition's nodes "
+                f"offer {', '.join(sorted(limits.gpu_types)) or 'no typed GPUs'}",
+                hint="submit them to a partition with those GPUs (--partition), or name the "
+                "GRES yourself (--sbatch-arg gres=gpu:TYPE:N)",
+            )
+        gpu_types = (chosen[0],)
     return Resources(
         resources.time_min,
         min(resources.mem_mb, limits.mem_mb),
         min(resources.cpus, limits.cpus),
         resources.gpus,
+        gpu_types,
     )

@@ -19,7 +19,7 @@ import re
 import shutil
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -655,6 +655,7 @@ def _grouping_key(options: dict[str, Any], task: Task) -> TrialRequest:
         mem_mb=0 if options.get("mem_mb") else request.mem_mb,
         gpus=request.gpus,
         seconds=0 if options.get("time_min") else _time_bucket(request.seconds),
+        gpu_types=request.gpu_types,
     )
 
 
@@ -663,14 +664,20 @@ def _resources(
 ) -> Resources:
     """What the user gave, passed on as is; the rest derived from `tasks` and cut to fit the
     partition's biggest node (`limits`)."""
-    derived = fit_to_node(
-        element_resources(tasks, trials=trials, concurrency=int(options["concurrency"])), limits
-    )
+    element = element_resources(tasks, trials=trials, concurrency=int(options["concurrency"]))
+    if "gres" in parse_sbatch_args(list(options.get("sbatch_args") or [])):
+        element = replace(element, gpu_types=())  # the user's GRES names the GPUs
+    try:
+        derived = fit_to_node(element, limits)
+    except InputError as exc:
+        names = ", ".join(task.rel for task in tasks[:3]) + (" ..." if len(tasks) > 3 else "")
+        raise InputError(f"{names}: {exc.message}", hint=exc.hint) from None
     return Resources(
         options.get("time_min") or derived.time_min,
         options.get("mem_mb") or derived.mem_mb,
         options.get("cpus") or derived.cpus,
         derived.gpus,
+        derived.gpu_types,
     )
 
 
@@ -693,6 +700,7 @@ def _queue(
             mem_mb=group.resources.mem_mb,
             cpus=group.resources.cpus,
             gpus=group.resources.gpus,
+            gpu_type=next(iter(group.resources.gpu_types), None),
             partition=options.get("partition"),
             account=options.get("account"),
             qos=options.get("qos"),

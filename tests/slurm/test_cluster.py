@@ -40,6 +40,11 @@ def test_what_sinfo_and_scontrol_say_is_read() -> None:
         128, 512000
     )
     assert cluster.parse_node_limits("") is None
+    # The GPU types of every node, as Slurm names them; untyped GPUs and other GRES have none.
+    gres = "8 64000 gpu:a100:4(S:0-1),gpu:h100_80gb:2\n16 128000 gpu:2,shard:8\n2 900 (null)\n"
+    assert cluster.parse_node_limits(gres) == NodeLimits(
+        16, 128000, frozenset({"a100", "h100_80gb"})
+    )
     config = (RECORDED / "scontrol-show-config.txt").read_text()
     assert cluster.parse_max_array_size(config) == 10001
     assert cluster.parse_max_array_size("nothing") == cluster.DEFAULT_MAX_ARRAY_SIZE
@@ -120,7 +125,7 @@ def test_limits_and_array_size_come_from_the_cluster(fake_slurm: FakeSlurm) -> N
     fake_slurm.answer("sinfo", "2 21694\n")
     fake_slurm.answer("scontrol", (RECORDED / "scontrol-show-config.txt").read_text())
     assert cluster.partition_limits("debug") == NodeLimits(2, 21694)
-    assert fake_slurm.calls("sinfo") == [["-h", "-o", "%c", "%m", "-p", "debug"]]
+    assert fake_slurm.calls("sinfo") == [["-h", "-o", "%c", "%m", "%G", "-p", "debug"]]
     assert cluster.max_array_size() == 10001
 
 

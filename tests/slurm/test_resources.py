@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from harbor_hpc.core.errors import InputError
 from harbor_hpc.results.record import Unit
 from harbor_hpc.slurm.cluster import NodeLimits
 from harbor_hpc.slurm.resources import Resources, chunked, element_resources, fit_to_node
@@ -49,6 +52,18 @@ def test_resources_follow_the_tasks(tmp_path: Path) -> None:
     assert four.mem_mb == 2 * 1024 + one.mem_mb - 1024
     assert four.time_min > one.time_min  # two waves of two
     assert fit_to_node(four, NodeLimits(cpus=1, mem_mb=1000)) == Resources(four.time_min, 1000, 1)
+
+
+def test_gpu_types_become_the_partitions_name_for_them(tmp_path: Path) -> None:
+    make_task(tmp_path, "gpu", image="/x.sif", gpus=1, gpu_types=["H100", "A100"])
+    asked = element_resources(discover_tasks(tmp_path).tasks, trials=2, concurrency=2)
+    assert (asked.gpus, asked.gpu_types) == (2, ("H100", "A100"))
+    node = NodeLimits(cpus=8, mem_mb=64000, gpu_types=frozenset({"a100", "v100"}))
+    assert fit_to_node(asked, node).gpu_types == ("a100",)
+    with pytest.raises(
+        InputError, match="GPUs of type H100 or A100; the partition's nodes offer v100"
+    ):
+        fit_to_node(asked, NodeLimits(8, 64000, frozenset({"v100"})))
 
 
 def test_image_problems_name_the_task_file(tmp_path: Path) -> None:

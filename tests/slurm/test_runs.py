@@ -409,3 +409,37 @@ def test_a_disk_full_during_trials_is_finished_by_resubmit(
         assert {s["state"] for s in full} == {"failed"}, full
         assert {s["failure"] for s in full} <= {"infrastructure", "environment"}, full
         rerun_to_reward_one(run_dir, tasks, debian_sif, {s["trial"] for s in full})
+
+
+def test_tasks_asking_for_gpus_get_their_own_from_slurm(debian_sif: Path, tmp_path: Path) -> None:
+    """The node's GPUs are fake (GRES type `fake`, .ci/provision.sh): Slurm is asked for the
+    type as it names it, and each of two trials at once gets one device of its element's two;
+    a task that asks for none sees none."""
+    tasks = tmp_path / "tasks"
+    for name in ("gpu-a", "gpu-b"):
+        make_task(
+            tasks, name, kind="one_gpu", image=str(debian_sif), agent_timeout_sec=30,
+            gpus=1, gpu_types=["FAKE"],
+        )  # fmt: skip
+    make_task(tasks, "cpu", kind="one_gpu", image=str(debian_sif), agent_timeout_sec=30)
+    run_dir = tmp_path / "run"
+    submitted = cli_json(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir), "--executor",
+        "slurm", "--tasks-per-job", "2", "--concurrency", "2", "--wait",
+    )  # fmt: skip
+    asked = {
+        tuple(g["tasks"]): (g["resources"]["gpus"], g["resources"]["gpu_types"])
+        for g in submitted["groups"]
+    }
+    assert asked == {("gpu-a", "gpu-b"): (2, ["fake"]), ("cpu",): (0, [])}
+    scripts = [path.read_text() for path in RunPaths(run_dir).submitit.rglob("*_submission.sh")]
+    gres = [line for script in scripts for line in script.splitlines() if "--gres" in line]
+    assert gres == ["#SBATCH --gres=gpu:fake:2"]
+    statuses = by_task(cli_json("status", str(run_dir)))
+    rewards = {task: (status["state"], status["reward"]) for task, status in statuses.items()}
+    assert rewards == {"gpu-a": ("done", 1.0), "gpu-b": ("done", 1.0), "cpu": ("done", 0.0)}
+    seen = {
+        task: (RunPaths(run_dir).trial(status["trial"]) / "agent" / "gpus").read_text().strip()
+        for task, status in statuses.items()
+    }
+    assert sorted([seen["gpu-a"], seen["gpu-b"]]) == ["0", "1"] and seen["cpu"] == ""

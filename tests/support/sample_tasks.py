@@ -34,6 +34,13 @@ SOLVE = {
     "pausing": "sleep 8\necho 42 > /tmp/answer\n",
     # Solves only when the agent was given the secret its run passed with --agent-env.
     "secret": '[ "$HH_TEST_SECRET" = s3cr3t-2f9a ] && echo 42 > /tmp/answer\n',
+    # Solves only when it was given exactly one GPU (of the devices Slurm gave its job).
+    "one_gpu": (
+        'echo "$CUDA_VISIBLE_DEVICES" > /logs/agent/gpus\n'
+        'one="${CUDA_VISIBLE_DEVICES#*,}"\n'
+        '[ -n "$CUDA_VISIBLE_DEVICES" ] && [ "$one" = "$CUDA_VISIBLE_DEVICES" ]'
+        " && echo 42 > /tmp/answer\n"
+    ),
 }
 
 
@@ -46,6 +53,8 @@ def make_task(
     memory_mb: int = 512,
     agent_timeout_sec: float = 60,
     verifier_timeout_sec: float = 60,
+    gpus: int = 0,
+    gpu_types: list[str] | None = None,
 ) -> Path:
     """Write the task `root/name` of `kind` (a key of SOLVE) running in `image`."""
     task = root / name
@@ -58,6 +67,8 @@ def make_task(
         f"[agent]\ntimeout_sec = {agent_timeout_sec}\n\n"
         f"[verifier]\ntimeout_sec = {verifier_timeout_sec}\n\n"
         f"[environment]\n{image_line}memory_mb = {memory_mb}\ncpus = 1\n"
+        + (f"gpus = {gpus}\n" if gpus else "")
+        + (f"gpu_types = {gpu_types!r}\n".replace("'", '"') if gpu_types else "")
     )
     (task / "instruction.md").write_text("Write 42 into /tmp/answer.\n")
     (task / "environment" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
