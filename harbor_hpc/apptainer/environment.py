@@ -192,11 +192,11 @@ def parse_extra_hosts(text: str | None) -> dict[str, list[str]]:
 
 
 def environment_capabilities(
-    *, mounted: bool, egress: bool | None = None
+    *, mounted: bool, egress: bool | None = None, gpus: bool = True
 ) -> EnvironmentCapabilities:
     """What a task may ask of our environments: no network is an empty network namespace; an
     allowlist, and a policy per phase, where the container gets a network of its own and
-    nftables (`egress`: on this node, by default)."""
+    nftables (`egress`: on this node, by default); GPUs, those Slurm gave the job (gpus.py)."""
     if egress is None:
         egress = egress_problem() is None
     return EnvironmentCapabilities(
@@ -210,8 +210,7 @@ def environment_capabilities(
         network_allowlist_ipv4_cidrs=egress,
         network_allowlist_ipv6_cidrs=egress,
         dynamic_network_policy=egress,
-        # The devices Slurm gave the job (gpus.py); `submit` asks for them.
-        gpus=True,
+        gpus=gpus,
     )
 
 

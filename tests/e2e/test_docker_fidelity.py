@@ -157,8 +157,8 @@ def test_the_container_looks_like_docker(fidelity_sif: Path, tmp_path: Path) -> 
             prompt = await run(environment, "bash -i -c 'echo \"$PS1\"' 2>/dev/null")
             assert "Apptainer" not in prompt
             # The ENTRYPOINT ran before anything else, as root.
-            hosts = await run(environment, "tail -n 1 /etc/hosts; ls /tmp/entrypoint-ran")
-            assert hosts == "10.1.2.3 entry.test\n/tmp/entrypoint-ran\n"
+            hosts = await run(environment, "tail -n 1 /etc/hosts; ls /tmp/entrypoint-*")
+            assert hosts == "10.1.2.3 entry.test\n/tmp/entrypoint-busy-done\n/tmp/entrypoint-ran\n"
             # apt's way of dropping privileges works (a user of the subuid range).
             other = "su nobody -s /bin/sh -c 'id -u' && chmod 777 /logs/agent"
             assert await run(environment, other) == "65534\n"

@@ -41,13 +41,16 @@ SLIM_TAG = "harbor-hpc-test/slim:bookworm"
 
 # A published task's image: a root-owned WORKDIR, ENV, an ENTRYPOINT that edits /etc/hosts
 # and leaves a mark, then runs the command it was given (Harbor's `sleep infinity`).
+# Its ENTRYPOINT sets up, then (as servers do) works in the background for two seconds before
+# it is ready: the environment waits until the container is quiet, however busy the node.
 FIDELITY_DOCKERFILE = """\
 FROM {base}
 RUN mkdir -p /app && chmod 755 /app && echo 'seed' > /app/seed.txt
 WORKDIR /app
 ENV LANG=C.UTF-8 GREETING="hello world"
 ENTRYPOINT ["/bin/sh", "-c", \
-    "echo '10.1.2.3 entry.test' >> /etc/hosts; : > /tmp/entrypoint-ran; exec \\"$@\\"", "--"]
+    "echo '10.1.2.3 entry.test' >> /etc/hosts; : > /tmp/entrypoint-ran; \
+(timeout 2 sh -c 'while :; do :; done'; : > /tmp/entrypoint-busy-done) & exec \\"$@\\"", "--"]
 """
 FIDELITY_TAG = "harbor-hpc-test/fidelity:bookworm"
 
