@@ -123,12 +123,10 @@ def setup(verbose: int) -> Config:
     global _verbosity
     _verbosity = verbose
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level,
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-        force=True,
-    )
+    # The handler's own level too: Harbor sets its logger to DEBUG, which the root's level
+    # does not hold back from the handler.
+    handler = RichHandler(console=console, show_path=False, level=level)
+    logging.basicConfig(level=level, format="%(message)s", handlers=[handler], force=True)
     return config()
 
 

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -291,6 +292,33 @@ def agent_class(agent: str) -> type:
     return found
 
 
+def check_agent(
+    agent: type, name: str, model: str | None, kwargs: dict[str, Any], task: Task
+) -> None:
+    """Refuse what would fail on every node: the agent made as a trial of `task` makes it,
+    with `model` and `kwargs` (Harbor checks its options and the models it requires there)."""
+    from harbor.models.trial.paths import TrialPaths
+
+    with tempfile.TemporaryDirectory(prefix="harbor-hpc-agent-") as logs:
+        extra: dict[str, Any] = {}
+        if name == "oracle":  # what Harbor's trial gives the oracle (Trial._init_agent)
+            extra = {"task_dir": task.path, "trial_paths": TrialPaths(Path(logs))}
+        try:
+            agent(logs_dir=Path(logs), model_name=model, **extra, **kwargs)
+        except Exception as exc:  # the agent's own check, whatever it raises
+            said = str(exc).strip() or type(exc).__name__
+            given = sorted(key for key in kwargs if key != ROLLOUT_KWARG)
+            first, _, rest = said.partition("\n")
+            raise InputError(
+                f"--agent {name} cannot be made with "
+                + (f"--model {model}" if model else "no --model")
+                + (f" and --agent-kwarg {', '.join(given)}" if given else "")
+                + f" (for task {task.rel}): {first}",
+                hint=" ".join(rest.split())
+                or f"`harbor agent schema {name}` lists its options; check --model and the task",
+            ) from None
+
+
 def takes_kwarg(cls: type, name: str) -> bool:
     """Whether `cls(...)` takes `name`: a parameter of an `__init__` up its class chain (as far
     as each passes `**kwargs` on), or a field of its Harbor agent options model."""
@@ -401,7 +429,8 @@ def submit_run(
     """Discover the tasks, record the run in `run_dir`, and queue every task attempt."""
     if options.tasks_per_job < 1 or options.concurrency < 1 or options.attempts < 1:
         raise InputError("--tasks-per-job, --concurrency and --attempts must be at least 1")
-    agent_kwargs = default_agent_kwargs(agent_class(options.agent), options.agent_kwargs)
+    agent = agent_class(options.agent)
+    agent_kwargs = default_agent_kwargs(agent, options.agent_kwargs)
     refuse_secrets(options.agent_kwargs, "--agent-kwarg")
     refuse_secrets(options.environment_kwargs, "--environment-kwarg")
     environment_kwargs = placed_environment_kwargs(options)
@@ -416,6 +445,7 @@ def submit_run(
         )
     if not discovery.tasks:
         raise InputError(f"{tasks_dir}: no tasks (folders with task.toml) found")
+    check_agent(agent, options.agent, options.model, agent_kwargs, discovery.tasks[0])
     record = RunRecord(
         tasks_root=str(discovery.root),
         tasks=[task.rel for task in discovery.tasks],

@@ -197,3 +197,35 @@ def test_submit_refuses_references_no_node_could_get(tiny_image: TinyImage, tmp_
     assert sorted(problems) == ["absent", "placeholder"]
     assert f"docker_image {absent} cannot be had" in problems["absent"]
     assert "is not an image reference" in problems["placeholder"]
+
+
+def test_an_agent_that_cannot_be_made_is_refused_before_anything_is_queued(
+    tmp_path: Path,
+) -> None:
+    """What would fail on every node (Harbor makes the agent there) fails at submit."""
+    for args, said in (
+        (
+            ("--agent", "terminus-2"),
+            "--agent terminus-2 cannot be made with no --model (for task a): model_name is "
+            "required for Terminus 2",
+        ),
+        (
+            (
+                "--agent",
+                "terminus-2",
+                "--model",
+                "openai/policy",
+                "--agent-kwarg",
+                "temperature=hot",
+            ),
+            "--agent terminus-2 cannot be made with --model openai/policy and --agent-kwarg "
+            "temperature (for task a): Invalid kwargs for agent 'terminus-2'",
+        ),
+    ):
+        refused = submit(tmp_path, *args)
+        assert refused.returncode == 2, refused.stderr
+        assert said in refused.stderr and "Traceback" not in refused.stderr
+        assert "DEBUG" not in refused.stderr  # Harbor's own debug lines stay out
+        assert not (tmp_path / "run").exists()
+    fine = submit(tmp_path, "--agent", "terminus-2", "--model", "openai/policy")
+    assert fine.returncode == 0, fine.stderr
