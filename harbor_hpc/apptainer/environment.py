@@ -586,9 +586,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     def _egress_for(self, server: int) -> Egress:
         if self._egress is None:
             self._egress = Egress(
-                server,
-                {self.hostname: ["127.0.0.1"], **self._extra_hosts},
-                lambda line: self.logger.info("[egress] %s", line),
+                server, self._extra_hosts, lambda line: self.logger.info("[egress] %s", line)
             )
         return self._egress
 
