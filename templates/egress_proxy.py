@@ -122,9 +122,10 @@ class Resolver:
     """Names as the container resolves them, asked anew for each connection: the hosts the
     host wrote for it (not its /etc/hosts, which the task may change), then its DNS server."""
 
-    def __init__(self, nameserver: str, hosts: dict[str, list[str]]) -> None:
+    def __init__(self, nameserver: str, hosts: dict[str, list[str]], port: int = 53) -> None:
         self.nameserver = nameserver
         self.hosts = hosts
+        self.port = port
 
     async def addresses(self, name: str) -> list[str]:
         if name in self.hosts:
@@ -143,7 +144,7 @@ class Resolver:
         loop = asyncio.get_running_loop()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.setblocking(False)
-            await loop.sock_connect(sock, (self.nameserver, 53))
+            await loop.sock_connect(sock, (self.nameserver, self.port))
             for _ in range(2):
                 await loop.sock_sendall(sock, packet)
                 try:

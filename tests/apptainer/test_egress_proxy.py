@@ -1,14 +1,17 @@
 """The egress proxy's reading of what a connection asks for and of DNS answers, on real bytes:
-a ClientHello from Python's own TLS, and a DNS answer as a resolver sends it (with name
-compression). Enforcement end to end is tests/e2e/test_network_policy.py."""
+a ClientHello from Python's own TLS, a DNS answer as a resolver sends it (with name
+compression), and lookups against a DNS server on loopback. Enforcement end to end is
+tests/e2e/test_network_policy.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import socket
 import ssl
 import struct
+import threading
 from types import ModuleType
 
 from harbor_hpc.core.templates import template_path
@@ -60,3 +63,43 @@ def test_dns_answers_give_their_addresses_in_order() -> None:
     header = struct.pack("!HHHHHH", 7, 0x8180, 1, 3, 0, 0)
     answer = header + question + cname + first + second
     assert proxy().parse_answer(answer) == ["192.0.2.7", "2001:db8::7"]
+
+
+def test_names_are_resolved_anew_for_each_connection() -> None:
+    """Against a DNS server on loopback whose answer changes: each lookup asks it again, and the
+    names the host gave (extra_hosts) are never asked for."""
+    egress = proxy()
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    answers = iter(["192.0.2.1", "192.0.2.2"])
+    asked: list[bytes] = []
+
+    def serve() -> None:
+        for _ in range(4):  # A and AAAA, twice
+            query, client = server.recvfrom(512)
+            asked.append(query[12:-4])
+            kind = struct.unpack("!H", query[-4:-2])[0]
+            header = query[:2] + struct.pack("!HHHHH", 0x8180, 1, int(kind == 1), 0, 0)
+            record = b""
+            if kind == 1:
+                record = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 0, 4)
+                record += socket.inet_aton(next(answers))
+            server.sendto(header + query[12:] + record, client)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    resolver = egress.Resolver(
+        "127.0.0.1", {"given.test": ["10.0.0.9"]}, port=server.getsockname()[1]
+    )
+
+    async def lookups() -> list[list[str]]:
+        return [
+            await resolver.addresses("api.example.test"),
+            await resolver.addresses("api.example.test"),
+            await resolver.addresses("given.test"),
+        ]
+
+    assert asyncio.run(lookups()) == [["192.0.2.1"], ["192.0.2.2"], ["10.0.0.9"]]
+    thread.join(5)
+    server.close()
+    assert asked == [b"\x03api\x07example\x04test\x00"] * 4
