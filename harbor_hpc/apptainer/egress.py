@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
-from harbor_hpc.apptainer.network import NAMESERVER
+from harbor_hpc.apptainer.network import NAMESERVER, ended
 from harbor_hpc.core.templates import template_path
 
 TABLE = "harbor_hpc"
@@ -150,12 +150,7 @@ class Egress:
         if proxy is not None:
             if proxy.stdin is not None:
                 proxy.stdin.close()  # the proxy ends at the end of its stdin
-            try:
-                await asyncio.wait_for(proxy.wait(), 2)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proxy.kill()
-                await proxy.wait()
+            await ended(proxy)
         if self._stderr is not None:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._stderr, 2)

@@ -202,14 +202,13 @@ def environment_capabilities(
     return EnvironmentCapabilities(
         mounted=mounted,
         disable_internet=True,
-        network_allowlist=egress,
-        network_allowlist_hostnames=egress,
-        network_allowlist_wildcard_hostnames=egress,
-        network_allowlist_ipv4_addresses=egress,
-        network_allowlist_ipv6_addresses=egress,
-        network_allowlist_ipv4_cidrs=egress,
-        network_allowlist_ipv6_cidrs=egress,
         dynamic_network_policy=egress,
+        # The allowlist with every entry kind Harbor knows (egress_proxy.py reads them all).
+        **{
+            name: egress
+            for name in EnvironmentCapabilities.model_fields
+            if name.startswith("network_allowlist")
+        },
         gpus=gpus,
     )
 
@@ -566,8 +565,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 )
             try:
                 self._network = await OwnNetwork.attach(server)
+                self._egress = Egress(
+                    server, self._extra_hosts, lambda line: self.logger.info("[egress] %s", line)
+                )
                 if any(p.network_mode != NetworkMode.PUBLIC for p in self._policies):
-                    await self._egress_for(server).apply(self._network_policy)
+                    await self._egress.apply(self._network_policy)
             except RuntimeError as exc:
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         memory_mb = self._effective_memory_mb
@@ -583,24 +585,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             )
             self._watchdog.start()
 
-    def _egress_for(self, server: int) -> Egress:
-        if self._egress is None:
-            self._egress = Egress(
-                server, self._extra_hosts, lambda line: self.logger.info("[egress] %s", line)
-            )
-        return self._egress
-
     @override
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
-        """A phase's policy (Harbor switches between agent and verifier): only where the
-        container has a network of its own (capabilities say so otherwise)."""
-        server = self._server_pid() if self._own_network and self._process else None
-        if server is None:
+        """A phase's policy (Harbor switches between agent and verifier, a trainer as it
+        likes): wherever the container has a network of its own (capabilities say so)."""
+        if self._egress is None:
             raise RuntimeError(
                 f"task {self.environment_name}: the container has no network of its own to "
                 f"apply the {network_policy.network_mode.value} network policy to"
             )
-        await self._egress_for(server).apply(network_policy)
+        await self._egress.apply(network_policy)
 
     def _server_pid(self) -> int | None:
         """The host pid of the in-container server: the topmost process of the container that

@@ -133,12 +133,17 @@ class OwnNetwork:
         if self._exit_fd is not None:
             os.close(self._exit_fd)  # slirp4netns exits when this pipe ends
             self._exit_fd = None
-        try:
-            await asyncio.wait_for(self._process.wait(), 2)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
-            await self._process.wait()
+        await ended(self._process)
+
+
+async def ended(process: asyncio.subprocess.Process, grace_sec: float = 2) -> None:
+    """Wait for a helper told to end (its pipe closed), killing it after `grace_sec`."""
+    try:
+        await asyncio.wait_for(process.wait(), grace_sec)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
 
 
 @cache
