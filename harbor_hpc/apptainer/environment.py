@@ -28,18 +28,12 @@ import functools
 import inspect
 import ipaddress
 import logging
-import os
-import re
 import resource
-import shlex
-import shutil
 import uuid
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, override
 
-import psutil
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
@@ -49,11 +43,17 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer import gpus
-from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
+from harbor_hpc.apptainer.container import (
+    ENV_FILES,
+    ENV_NAME,
+    SERVER_DIR,
+    STAGING,
+    Container,
+    launcher,
+)
 from harbor_hpc.apptainer.egress import Egress
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import (
-    ContainerDied,
     ContainerStartFailed,
     ImageUnavailable,
     MemoryLimitExceeded,
@@ -68,6 +68,7 @@ from harbor_hpc.apptainer.network import (
     hosts_file,
     own_network_problem,
 )
+from harbor_hpc.apptainer.pod import Sidecar, service_sif
 from harbor_hpc.apptainer.probes import install_problem
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
@@ -76,44 +77,15 @@ from harbor_hpc.apptainer.runtime import (
 )
 from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
-from harbor_hpc.apptainer.watchdog import (
-    MemoryWatchdog,
-    kill_processes,
-    process_tree,
-    tree_processes,
-    wait_gone,
-    whole_container,
-)
+from harbor_hpc.apptainer.watchdog import MemoryWatchdog
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.templates import template_path
-from harbor_hpc.tasks.discovery import COMPOSE_FILES
+from harbor_hpc.tasks.compose import MAIN, Compose, UnsupportedCompose, Volume, load_compose
 
-STAGING = "/staging"
-ENV_FILES = f"{STAGING}/env_files"
-SERVER_DIR = f"{STAGING}/.hh"
 # Docker's working directory when the image names none.
 DEFAULT_WORKDIR = "/"
-# The image decides which server runs: python3's standard library if it has one, else bash.
-LAUNCHER = (
-    'if command -v python3 >/dev/null 2>&1; then exec python3 -I -S "$1/server.py" "$2" "$1/env"; '
-    'fi; if command -v bash >/dev/null 2>&1; then exec bash "$1/server.sh" "$1" "$2" "$1/env"; fi; '
-    'echo "harbor-hpc: the image has neither python3 nor bash to run commands with" >&2; exit 127'
-)
-# The descriptor the in-container servers keep on each tmpfs mount (see apptainer_server.py).
-TMPFS_FDS = (61, 62)
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# A user name or uid as `useradd` accepts them; anything else (`-c cmd`) never reaches `su`.
-_USER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
-_STDERR_TAIL_LINES = 40
 # Docker starts the ENTRYPOINT and goes on; so do we, after giving it this long to reach the
 # command it was handed (Harbor's `sleep infinity`), which entrypoints `exec` once set up.
 ENTRYPOINT_GRACE_SEC = 5.0
-# What an entrypoint started in the background (`server &; exec "$@"`) comes up before the
-# trial's first command: the container's processes are waited for until none has run for
-# ENTRYPOINT_QUIET_SEC (a server blocked in accept), ENTRYPOINT_SETTLE_MAX_SEC at most (one that
-# keeps working, say).
-ENTRYPOINT_QUIET_SEC = 0.15
-ENTRYPOINT_SETTLE_MAX_SEC = 15.0
 # The named parameters of Harbor's BaseEnvironment that Harbor fills itself or users may set,
 # and the one it still takes (and ignores) through **kwargs.
 BASE_KWARGS = frozenset(
@@ -121,20 +93,6 @@ BASE_KWARGS = frozenset(
     for name in inspect.signature(BaseEnvironment.__init__).parameters
     if name not in {"self", "args", "kwargs"}
 ) | {"suppress_override_warnings"}
-
-
-def _tree_activity(pid: int) -> tuple[float, frozenset[int], bool]:
-    """The CPU time the process tree under `pid` has used, its pids, and whether one of them
-    runs or waits for the disk right now."""
-    cpu, pids, busy = 0.0, set(), False
-    for process in tree_processes(pid):
-        with contextlib.suppress(psutil.Error):
-            with process.oneshot():
-                times = process.cpu_times()
-                cpu += times.user + times.system
-                busy = busy or process.status() in {psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP}
-            pids.add(process.pid)
-    return cpu, frozenset(pids), busy
 
 
 def _flag(value: Any) -> bool:
@@ -163,7 +121,7 @@ def exported_by_setup(before: bytes, after: bytes) -> dict[str, str]:
 
     def parse(dump: bytes) -> dict[str, str]:
         pairs = (item.decode(errors="replace").partition("=") for item in dump.split(b"\0"))
-        return {name: value for name, _, value in pairs if _ENV_NAME.match(name)}
+        return {name: value for name, _, value in pairs if ENV_NAME.match(name)}
 
     old, new = parse(before), parse(after)
     return {
@@ -192,11 +150,12 @@ def parse_extra_hosts(text: str | None) -> dict[str, list[str]]:
 
 
 def environment_capabilities(
-    *, mounted: bool, egress: bool | None = None, gpus: bool = True
+    *, mounted: bool, egress: bool | None = None, gpus: bool = True, compose: bool = True
 ) -> EnvironmentCapabilities:
     """What a task may ask of our environments: no network is an empty network namespace; an
     allowlist, and a policy per phase, where the container gets a network of its own and
-    nftables (`egress`: on this node, by default); GPUs, those Slurm gave the job (gpus.py)."""
+    nftables (`egress`: on this node, by default); GPUs, those Slurm gave the job (gpus.py);
+    compose services, as one pod (pod.py)."""
     if egress is None:
         egress = egress_problem() is None
     return EnvironmentCapabilities(
@@ -210,11 +169,13 @@ def environment_capabilities(
             if name.startswith("network_allowlist")
         },
         gpus=gpus,
+        docker_compose=compose,
     )
 
 
 class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor ships no types
-    """Runs a task in an Apptainer container from a .sif or a registry reference.
+    """Runs a task in an Apptainer container from a .sif or a registry reference, and a
+    compose task's services beside it as one pod (pod.py).
 
     Kwargs (`--environment-kwarg k=v`):
         singularity_image_cache_dir: where registry references are converted to .sif
@@ -295,8 +256,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self.sif_path: Path | None = None
         self.image = ImageConfig()
         self._scratch: PrivateDir | None = None
-        self._process: asyncio.subprocess.Process | None = None
-        self._channel: Channel | None = None
+        self._main: Container | None = None
+        self._compose: Compose | None = None
+        self._sidecars: dict[str, Sidecar] = {}
         self._watchdog: MemoryWatchdog | None = None
         self._own_network = False
         self._network: OwnNetwork | None = None
@@ -304,8 +266,6 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._gpus: list[str] = []
         # The container's name, as Docker names one (the first 12 hex digits of its id).
         self.hostname = uuid.uuid4().hex[:12]
-        self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
-        self._stderr_task: asyncio.Task[None] | None = None
 
     @staticmethod
     @override
@@ -339,8 +299,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     @property
     def process_pid(self) -> int | None:
-        """The host pid at the root of the container's process tree (while it runs)."""
-        return self._process.pid if self._process is not None else None
+        """The host pid at the root of the main container's process tree (while it runs)."""
+        return self._main.pid if self._main is not None else None
 
     @property
     def _private_dir(self) -> Path | None:
@@ -352,7 +312,12 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         """The host folder mounted at /staging (while the environment runs)."""
         return self._private_dir / "staging" if self._private_dir is not None else None
 
-    # -- the image ----------------------------------------------------------
+    # -- the images ---------------------------------------------------------
+
+    def _store(self) -> Path:
+        from harbor_hpc.core.config import cache_dir as default_store
+
+        return default_store(self._cache_dir)
 
     async def _resolve_image(self, force: bool) -> Path:
         image = self.task_env_config.docker_image
@@ -362,7 +327,6 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 "set it to a .sif path or a registry reference (harbor-hpc rewrite does this)"
             )
         from harbor_hpc.apptainer.store import checked_sif, ensure_sif, sif_file
-        from harbor_hpc.core.config import cache_dir as default_store
 
         path = sif_file(image, self.environment_dir)
         if path is not None:
@@ -375,7 +339,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             # A store's .sif is verified against its recorded sha256 (rebuilt when damaged).
             fetch: Callable[[], Path] = functools.partial(checked_sif, path, nohttps=self._nohttps)
         else:
-            where = default_store(self._cache_dir)
+            where = self._store()
             fetch = functools.partial(ensure_sif, image, where, nohttps=self._nohttps, force=force)
         try:
             return await asyncio.to_thread(fetch)
@@ -386,19 +350,34 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"in {where}: {exc.message}{hint}"
             ) from exc
 
+    def _load_compose(self) -> Compose | None:
+        """The task's compose services (its own file, then the run's extra_docker_compose)."""
+        try:
+            return load_compose(self.environment_dir, self.extra_docker_compose_paths)
+        except UnsupportedCompose as exc:
+            raise UnsupportedTask(f"task {self.environment_name}: {exc}") from None
+
+    async def _service_sifs(self) -> dict[str, Path]:
+        """Each compose service's image, ready in the .sif store (built there when missing)."""
+        assert self._compose is not None
+        store, found = self._store(), {}
+        for service in self._compose.services:
+            try:
+                found[service.name] = await asyncio.to_thread(
+                    service_sif, service, self.environment_dir, store, nohttps=self._nohttps
+                )
+            except ImageUnavailable as exc:
+                raise ImageUnavailable(f"task {self.environment_name}: {exc}") from exc
+        return found
+
     # -- start ----------------------------------------------------------------
 
     @override
     async def start(self, force_build: bool) -> None:
         _allow_open_files()
-        compose = [name for name in COMPOSE_FILES if (self.environment_dir / name).is_file()]
-        if compose:
-            raise UnsupportedTask(
-                f"task {self.environment_name}: environment/{compose[0]} defines Docker Compose "
-                "services, which harbor-hpc's Apptainer environment does not run yet; the task "
-                "cannot be run faithfully here"
-            )
+        self._compose = self._load_compose()
         self.sif_path = await self._resolve_image(force_build or self._force_pull)
+        service_sifs = await self._service_sifs() if self._compose else {}
         self.image = image_config(self.sif_path) or ImageConfig()
         if not (self._workdir_kwarg or self.task_env_config.workdir):
             self.workdir = self.image.workdir or DEFAULT_WORKDIR
@@ -417,6 +396,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._prepare_scratch()
         try:
             await self._launch(flags)
+            await self._start_services(flags, service_sifs)
             await self._start_entrypoint()
             await self._run_setup_script()
         except BaseException:
@@ -424,53 +404,48 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             raise
         await self._upload_environment_dir_after_start()
 
+    def _hosts(self, hostname: str) -> str:
+        """/etc/hosts for a container of the pod named `hostname`: every service's name at
+        127.0.0.1 (they share one loopback), then the user's extra_hosts."""
+        pod = {name: ["127.0.0.1"] for name in (self._compose.names() if self._compose else [])}
+        text = hosts_file(
+            hostname, own_network=self._own_network, extra={**pod, **self._extra_hosts}
+        )
+        if not (self._own_network or self._no_network):
+            # The node's network, as Docker's host network: the node's names too.
+            with contextlib.suppress(OSError):
+                text = Path("/etc/hosts").read_text() + text
+        return text
+
     def _prepare_scratch(self) -> None:
         # The folder is 0700: other users cannot enter it, whatever is inside.
         if self._scratch_root is not None:
             self._scratch_root.mkdir(parents=True, exist_ok=True)
         self._scratch = PrivateDir("harbor-hpc-env-", self._scratch_root)
         private = self._scratch.path
-        (private / "overlay").mkdir()
         (private / "tmp").mkdir()
         # What Docker writes into every container (apt's `_apt` reads them too: 0644).
-        files = {"resolv.conf": RESOLV_CONF, "hostname": f"{self.hostname}\n"}
-        files["hosts"] = hosts_file(
-            self.hostname, own_network=self._own_network, extra=self._extra_hosts
-        )
-        if not (self._own_network or self._no_network):
-            # The node's network, as Docker's host network: the node's names too.
-            with contextlib.suppress(OSError):
-                files["hosts"] = Path("/etc/hosts").read_text() + files["hosts"]
+        files = {
+            "resolv.conf": RESOLV_CONF,
+            "hostname": f"{self.hostname}\n",
+            "hosts": self._hosts(self.hostname),
+        }
         for name, text in files.items():
             (private / name).write_text(text)
             (private / name).chmod(0o644)
-        staging = private / "staging"
-        server_dir = staging / ".hh"
-        for folder in (staging, server_dir, server_dir / "req", server_dir / "out"):
-            folder.mkdir()
-            folder.chmod(0o755)
-        (staging / "xfer").mkdir(mode=0o777)
-        (staging / "xfer").chmod(0o777)
-        shutil.copy(template_path("apptainer_server.py"), server_dir / "server.py")
-        shutil.copy(template_path("apptainer_server.sh"), server_dir / "server.sh")
-        # The image's ENV, which the server makes its environment (Apptainer's own start-up
-        # would let its LANG=C win over the image's, and adds variables Docker does not).
         env = dict(self.image.env)
+        if self._compose is not None:
+            env.update(self._compose.main.environment)
         if self._gpus and gpus.node_driver() == "--nv":
             # The driver's libraries where --nv binds them, as Docker's runtime installs them.
             env["LD_LIBRARY_PATH"] = ":".join(
                 part for part in (env.get("LD_LIBRARY_PATH", ""), gpus.DRIVER_LIBS) if part
             )
-        (server_dir / "env").write_bytes(
-            b"".join(
-                f"{name}={value}".encode() + b"\0"
-                for name, value in env.items()
-                if _ENV_NAME.match(name)
-            )
+        assert self.sif_path is not None
+        self._main = Container(
+            f"task {self.environment_name}", private, self.sif_path, self.image, self.logger
         )
-        env_files = self.environment_dir / "files"
-        if env_files.is_dir():
-            shutil.copytree(env_files, staging / "env_files", symlinks=True)
+        self._main.stage(env, self.environment_dir / "files")
 
     @property
     def _policies(self) -> list[NetworkPolicy]:
@@ -495,9 +470,24 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 ADMIN_HINT,
             )
 
+    def _volume_binds(self, volumes: list[Volume]) -> list[str]:
+        """`-B` options for compose volumes: host paths as they are, named volumes as folders
+        of the trial's private folder that every service naming them shares."""
+        assert self._private_dir is not None
+        binds = []
+        for volume in volumes:
+            source = Path(volume.source)
+            if volume.named:
+                source = self._private_dir / "volumes" / volume.source
+                source.mkdir(parents=True, exist_ok=True)
+            elif not source.exists():
+                source.mkdir(parents=True)  # as Docker makes a missing bind source
+            binds += ["-B", f"{source}:{volume.target}{':ro' if volume.read_only else ''}"]
+        return binds
+
     def _command(self, flags: tuple[str, ...]) -> list[str]:
-        assert self.sif_path is not None and self._private_dir is not None
-        binds = ["-B", f"{self._private_dir / 'staging'}:{STAGING}"]
+        assert self._main is not None and self._private_dir is not None
+        binds = ["-B", f"{self._main.staging}:{STAGING}"]
         if not self._fakeroot:
             # Without root the overlay cannot copy the image's root-owned /tmp up: a private
             # folder of the user's stands in for it.
@@ -519,44 +509,24 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 Path(mount["source"]).mkdir(parents=True, exist_ok=True)
                 mode = ":ro" if mount.get("read_only") else ""
                 binds += ["-B", f"{mount['source']}:{mount['target']}{mode}"]
+        if self._compose is not None:
+            binds += self._volume_binds(self._compose.main.volumes)
         if self._gpus:
             binds += gpus.container_options(self._gpus)
         return task_container_command(
-            self.sif_path,
+            self._main.sif,
             flags,
-            ["/bin/sh", "-c", LAUNCHER, "harbor-hpc-server", SERVER_DIR, self.workdir],
-            overlay=self._private_dir / "overlay",
+            launcher(self.workdir),
+            overlay=self._main.overlay,
             own_network=self._no_network or self._own_network,
             no_mount=self._no_mount,
             options=["--env", f"HARBOR_STAGING={ENV_FILES}", *binds],
         )
 
     async def _launch(self, flags: tuple[str, ...]) -> None:
-        assert self._private_dir is not None
-        command = self._command(flags)
-        self.logger.debug("starting the container: %s", shlex.join(command))
-        self._process = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            limit=1 << 20,
-        )
-        self._stderr_task = asyncio.create_task(self._collect_stderr())
-        self._channel = Channel(self._process, self._private_dir / "staging" / ".hh")
-        try:
-            await self._channel.wait_ready()
-        except ChannelClosed as exc:
-            await self._drain_stderr()
-            raise ContainerStartFailed(
-                f"task {self.environment_name}: the container did not start "
-                f"({self.sif_path}):\n{self._stderr_text()}"
-            ) from exc
-        self.logger.debug(
-            "container ready: %s server, uid %d inside", self._channel.mode, self._channel.uid
-        )
-        server = self._server_pid()
+        assert self._main is not None
+        await self._main.launch(self._command(flags))
+        server = self._main.server_pid()
         if self._own_network:
             if server is None:
                 raise ContainerStartFailed(
@@ -574,16 +544,65 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         memory_mb = self._effective_memory_mb
         if self._watchdog_enabled and memory_mb:
+            assert self._main.pid is not None
             if server is None:
                 self.logger.debug("no server descriptors on the tmpfs mounts: not counted")
             self._watchdog = MemoryWatchdog(
-                self._process.pid,
+                self._main.pid,
                 limit_bytes=memory_mb * 1024 * 1024,
                 kill_fraction=self._kill_fraction,
                 interval_sec=self._poll_interval,
-                tmpfs_paths=tuple(f"/proc/{server}/fd/{fd}" for fd in TMPFS_FDS if server),
+                tmpfs_paths=self._main.tmpfs_paths(),
             )
             self._watchdog.start()
+
+    async def _start_services(self, flags: tuple[str, ...], sifs: dict[str, Path]) -> None:
+        """The compose services, each once what it depends on is as its condition asks; then
+        what `main` depends on. Each joins the main container's namespaces (pod.py)."""
+        if self._compose is None or self._main is None or self._private_dir is None:
+            return
+        pod_namespaces = self._own_network or self._no_network
+        prefix: list[str] = []
+        if pod_namespaces:
+            server = self._main.server_pid()
+            if server is None:
+                raise ContainerStartFailed(
+                    f"task {self.environment_name}: no server process in the container for "
+                    "its compose services to join"
+                )
+            prefix = ["nsenter", "-t", str(server), "-U", "-n", "--preserve-credentials", "--"]
+        reached: set[tuple[str, str]] = set()
+
+        async def wait_for(depends_on: dict[str, str]) -> None:
+            for name, condition in depends_on.items():
+                if name != MAIN and (name, condition) not in reached:
+                    await self._sidecars[name].reach(condition)
+                    reached.add((name, condition))
+
+        for service in self._compose.services:
+            await wait_for(service.depends_on)
+            private = self._private_dir / "services" / service.name
+            private.mkdir(parents=True)
+            for name, text in (("hosts", self._hosts(service.name)), ("resolv.conf", RESOLV_CONF)):
+                (private / name).write_text(text)
+                (private / name).chmod(0o644)
+            sidecar = Sidecar(
+                service, self.environment_name, private, sifs[service.name], self.logger
+            )
+            self._sidecars[service.name] = sidecar
+            binds = [
+                "-B",
+                f"{sidecar.container.staging}:{STAGING}",
+                "-B",
+                f"{private / 'hosts'}:/etc/hosts",
+            ]
+            if self._own_network:
+                binds += ["-B", f"{private / 'resolv.conf'}:/etc/resolv.conf"]
+            binds += self._volume_binds(service.volumes)
+            await sidecar.start(prefix, () if pod_namespaces else flags, binds)
+            if self._watchdog is not None and sidecar.container.pid is not None:
+                self._watchdog.add_root(sidecar.container.pid, sidecar.container.tmpfs_paths())
+        await wait_for(self._compose.main.depends_on)
 
     @override
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
@@ -596,43 +615,26 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             )
         await self._egress.apply(network_policy)
 
-    def _server_pid(self) -> int | None:
-        """The host pid of the in-container server: the topmost process of the container that
-        holds the server's descriptor on /dev/shm (the bash server's jobs inherit it)."""
-        assert self._process is not None
-        holders = set()
-        for pid in process_tree(self._process.pid):
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{pid}/fd/{TMPFS_FDS[0]}") == "/dev/shm":
-                    holders.add(pid)
-        for pid in holders:
-            with contextlib.suppress(psutil.Error):
-                if psutil.Process(pid).ppid() not in holders:
-                    return pid
-        return None
-
     async def _start_entrypoint(self) -> None:
         """Start the image's ENTRYPOINT as Docker does under Harbor, which replaces CMD with
         `sh -c "sleep infinity"`: in the background, as the image's user, and go on once it
         ran that command (entrypoints set things up, then `exec "$@"`) and what it started in
-        the background is up (`_settle`), or it ended, or had ENTRYPOINT_GRACE_SEC."""
-        if not self.image.entrypoint:
+        the background is up (`settle`), or it ended, or had ENTRYPOINT_GRACE_SEC."""
+        if not self.image.entrypoint or self._main is None:
             return
-        staging = self.staging_host_dir
-        assert staging is not None
-        ready, ended = staging / ".hh" / "entrypoint.ready", staging / ".hh" / "entrypoint.exit"
-        command = shlex.join(
-            [
-                *self.image.entrypoint,
-                "sh",
-                "-c",
-                f": > {SERVER_DIR}/entrypoint.ready; exec sleep infinity",
-            ]
-        )
-        await self.exec(
-            f"({command}; echo $? > {SERVER_DIR}/entrypoint.exit) "
-            f"> {SERVER_DIR}/entrypoint.log 2>&1 < /dev/null &",
+        ready = self._main.staging / ".hh" / "entrypoint.ready"
+        argv = [
+            *self.image.entrypoint,
+            "sh",
+            "-c",
+            f": > {SERVER_DIR}/entrypoint.ready; exec sleep infinity",
+        ]
+        log, ended = await self._main.start_background(
+            argv,
+            "entrypoint",
             cwd=self.workdir,
+            user=self._resolve_user(None),
+            env=self._merge_env(None),
         )
         deadline = asyncio.get_running_loop().time() + ENTRYPOINT_GRACE_SEC
         while not (ready.exists() or ended.exists()):
@@ -641,49 +643,13 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 return
             await asyncio.sleep(0.02)
         if ready.exists():
-            await self._settle()
+            await self._main.settle()
         elif ended.exists():
-            log = (staging / ".hh" / "entrypoint.log").read_text(errors="replace")[-2000:]
             self.logger.warning(
                 "the image's ENTRYPOINT exited with %s before reaching its command:\n%s",
                 ended.read_text().strip(),
-                log,
+                log.read_text(errors="replace")[-2000:],
             )
-
-    async def _settle(self) -> None:
-        """Wait until the container's processes have run for none of ENTRYPOINT_QUIET_SEC:
-        what the ENTRYPOINT started in the background is then up (a server waits in accept),
-        however busy the node; ENTRYPOINT_SETTLE_MAX_SEC at most."""
-        assert self._process is not None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ENTRYPOINT_SETTLE_MAX_SEC
-        last: tuple[float, frozenset[int]] | None = None
-        quiet_since = loop.time()
-        while loop.time() < deadline:
-            now = await asyncio.to_thread(_tree_activity, self._process.pid)
-            if now[:2] != last or now[2]:
-                quiet_since = loop.time()
-            elif loop.time() - quiet_since >= ENTRYPOINT_QUIET_SEC:
-                return
-            last = now[:2]
-            await asyncio.sleep(0.03)
-        self.logger.debug("the ENTRYPOINT's processes still run; the trial goes on beside them")
-
-    async def _collect_stderr(self) -> None:
-        assert self._process is not None and self._process.stderr is not None
-        async for raw in self._process.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            if line and "gocryptfs not found" not in line:
-                self._stderr_tail.append(line)
-                self.logger.debug("[apptainer] %s", line)
-
-    async def _drain_stderr(self) -> None:
-        if self._stderr_task is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._stderr_task), timeout=2)
-
-    def _stderr_text(self) -> str:
-        return "\n".join(self._stderr_tail) or "(apptainer printed nothing)"
 
     async def _run_setup_script(self) -> None:
         """Source environment/files/setup.sh once, as Harbor's bootstrap does, and keep what
@@ -694,7 +660,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         before, after = f"{STAGING}/.hh/env.before", f"{STAGING}/.hh/env.after"
         result = await self.exec(
             f"env -0 > {before}; . {ENV_FILES}/setup.sh; status=$?; env -0 > {after}; exit $status",
-            user=self._container_root(),
+            user=self._require_main().root_user,
         )
         if result.return_code != 0:
             output = "\n".join(part for part in (result.stdout, result.stderr) if part).strip()
@@ -709,49 +675,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             )
         )
 
-    def _container_root(self) -> str | None:
-        return "root" if self._channel is not None and self._channel.uid == 0 else None
-
     # -- exec -----------------------------------------------------------------
-
-    def _script(
-        self, command: str, cwd: str | None, env: dict[str, str] | None, user: str | int | None
-    ) -> bytes:
-        lines = []
-        for name, value in (env or {}).items():
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"not an environment variable name: {name!r}")
-            lines.append(f"export {name}={shlex.quote(str(value))}")
-        if cwd:
-            # Without one the script starts where the server does, in the workdir.
-            lines.append(f"cd -- {shlex.quote(cwd)} || exit 1")
-        switch_to = self._user_to_switch_to(user)
-        if switch_to is None:
-            lines.append(command)
-        else:
-            # Like Harbor's own environments: su keeps the exported variables.
-            lines.append(f"exec su -s /bin/bash -c {shlex.quote(command)} -- {switch_to}")
-        return ("\n".join(lines) + "\n").encode()
-
-    def _user_to_switch_to(self, user: str | int | None) -> str | None:
-        """The `su` argument for `user` (default: the image's USER, as Docker), or None when
-        the command runs as the server's user."""
-        assert self._channel is not None
-        if user is None and self.image.user:
-            user = self.image.user.split(":", 1)[0]
-        if user is None or str(user) in {str(self._channel.uid), os.environ.get("USER", "")}:
-            return None
-        if not _USER_NAME.match(str(user)):
-            raise ValueError(f"task {self.environment_name}: {user!r} is not a user name or uid")
-        if self._channel.uid != 0:
-            # Without (fake)root nobody can change user; the container's user stands in
-            # for every user (root included), as it owns everything the task can write.
-            return None
-        if str(user) in {"0", "root"}:
-            return None
-        if isinstance(user, int) or str(user).isdigit():
-            return f'"$(getent passwd {int(user)} | cut -d: -f1)"'
-        return shlex.quote(str(user))
 
     @override
     async def exec(
@@ -762,22 +686,17 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         timeout_sec: int | None = None,
         user: str | int | None = None,
     ) -> ExecResult:
-        channel = self._require_channel()
-        script = self._script(command, cwd, self._merge_env(env), self._resolve_user(user))
+        main = self._require_main()
+        script = main.script(command, cwd, self._merge_env(env), self._resolve_user(user))
         callback = self._output_callback()
         try:
             if callback is None:
-                output = await channel.run(script, timeout_sec=timeout_sec)
+                output = await main.run(script, timeout_sec=timeout_sec)
             else:
-                output = await self._run_streaming(channel, script, timeout_sec, callback)
-        except ChannelClosed as exc:
+                output = await self._run_streaming(main, script, timeout_sec, callback)
+        except RuntimeError:
             self._raise_if_memory_breached()
-            raise ContainerDied(
-                f"task {self.environment_name}: the container stopped ({exc}):\n"
-                f"{self._stderr_text()}"
-            ) from exc
-        if output.timed_out:
-            raise RuntimeError(f"Command timed out after {timeout_sec} seconds")
+            raise
         return ExecResult(
             stdout=output.stdout.decode(errors="replace"),
             stderr=output.stderr.decode(errors="replace"),
@@ -785,8 +704,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         )
 
     async def _run_streaming(
-        self, channel: Channel, script: bytes, timeout_sec: int | None, callback: Any
-    ) -> CommandOutput:
+        self, main: Container, script: bytes, timeout_sec: int | None, callback: Any
+    ) -> Any:
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         decoders = {
             stream: codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -802,7 +721,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
         pumping = asyncio.create_task(pump())
         try:
-            return await channel.run(
+            return await main.run(
                 script,
                 timeout_sec=timeout_sec,
                 on_chunk=lambda stream, data: queue.put_nowait((stream, data)),
@@ -811,11 +730,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             queue.put_nowait(None)
             await pumping
 
-    def _require_channel(self) -> Channel:
+    def _require_main(self) -> Container:
         self._raise_if_memory_breached()
-        if self._channel is None:
+        if self._main is None or self._main.channel is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
-        return self._channel
+        return self._main
 
     def _raise_if_memory_breached(self) -> None:
         if self._watchdog is not None and self._watchdog.breach is not None:
@@ -823,77 +742,92 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"task {self.environment_name}: {self._watchdog.breach.describe()}"
             )
 
-    async def _checked(self, command: str, what: str) -> None:
-        result = await self.exec(command, user=self._container_root())
-        if result.return_code != 0:
-            raise RuntimeError(
-                f"task {self.environment_name}: {what} failed ({result.return_code}): "
-                f"{(result.stderr or result.stdout or '').strip()[-2000:]}"
-            )
-
     # -- files ------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _transfer_dir(self) -> Any:
-        """A fresh folder under /staging/xfer: (host path, container path), removed afterwards."""
-        staging = self.staging_host_dir
-        if staging is None:
-            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
-        name = uuid.uuid4().hex
-        host = staging / "xfer" / name
-        host.mkdir(mode=0o777)
-        host.chmod(0o777)  # the container's user may differ from ours (fakeroot, su)
-        try:
-            yield host, f"{STAGING}/xfer/{name}"
-        finally:
-            shutil.rmtree(host, ignore_errors=True)
 
     @override
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        source = Path(source_path)
-        with self._transfer_dir() as (host, inside):
-            # With its mode, as `docker cp` keeps it (the user's umask must not reach it).
-            await asyncio.to_thread(shutil.copy, source, host / "file")
-            target = shlex.quote(target_path)
-            await self._checked(
-                f'mkdir -p -- "$(dirname -- {target})" && cp -- {inside}/file {target}',
-                f"upload of {source} to {target_path}",
-            )
+        await self._require_main().upload_file(Path(source_path), target_path)
 
     @override
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        source = Path(source_dir)
-        with self._transfer_dir() as (host, inside):
-            await asyncio.to_thread(shutil.copytree, source, host / "dir", symlinks=True)
-            target = shlex.quote(target_dir)
-            await self._checked(
-                f"mkdir -p -- {target} && cp -R -- {inside}/dir/. {target}/",
-                f"upload of {source} to {target_dir}",
-            )
+        await self._require_main().upload_dir(Path(source_dir), target_dir)
 
     @override
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        target = Path(target_path)
-        with self._transfer_dir() as (host, inside):
-            await self._checked(
-                f"cp -- {shlex.quote(source_path)} {inside}/file",
-                f"download of {source_path}",
-            )
-            target.parent.mkdir(parents=True, exist_ok=True)
-            await asyncio.to_thread(shutil.move, host / "file", target)
+        await self._require_main().download_file(source_path, Path(target_path))
 
     @override
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        target = Path(target_dir)
-        with self._transfer_dir() as (host, inside):
-            await self._checked(
-                f"mkdir -p {inside}/dir && cp -R -- {shlex.quote(source_dir)}/. {inside}/dir/",
-                f"download of {source_dir}",
+        await self._require_main().download_dir(source_dir, Path(target_dir))
+
+    # -- compose services (Harbor's per-service operations) -------------------------
+
+    def _sidecar(self, service: str) -> Container:
+        sidecar = self._sidecars.get(service)
+        if sidecar is None or sidecar.container.channel is None:
+            known = ", ".join(self._sidecars) or "none"
+            raise ValueError(
+                f"task {self.environment_name}: no running compose service {service!r} "
+                f"(services: {known})"
             )
-            target.mkdir(parents=True, exist_ok=True)
-            await asyncio.to_thread(
-                shutil.copytree, host / "dir", target, symlinks=True, dirs_exist_ok=True
-            )
+        self._raise_if_memory_breached()
+        return sidecar.container
+
+    @override
+    async def service_exec(
+        self,
+        command: str,
+        *,
+        service: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        if service is None or self.is_main_service(service):
+            return await self.exec(command, cwd=cwd, env=env, timeout_sec=timeout_sec, user=user)
+        container = self._sidecar(service)
+        # As Harbor's compose providers: a service's exec takes nothing of main's defaults.
+        output = await container.run(container.script(command, cwd, env, user), timeout_sec)
+        return ExecResult(
+            stdout=output.stdout.decode(errors="replace"),
+            stderr=output.stderr.decode(errors="replace"),
+            return_code=output.exit_code,
+        )
+
+    @override
+    async def service_download_file(
+        self, source_path: str, target_path: Path | str, *, service: str | None = None
+    ) -> None:
+        if service is None or self.is_main_service(service):
+            await self.download_file(source_path, target_path)
+            return
+        await self._sidecar(service).download_file(source_path, Path(target_path))
+
+    @override
+    async def service_download_dir(
+        self, source_dir: str, target_dir: Path | str, *, service: str | None = None
+    ) -> None:
+        if service is None or self.is_main_service(service):
+            await self.download_dir(source_dir, target_dir)
+            return
+        await self._sidecar(service).download_dir(source_dir, Path(target_dir))
+
+    @override
+    async def stop_service(self, service: str) -> None:
+        """Stop one service, the rest of the pod running on (its namespaces stay while any of
+        its containers is in them)."""
+        if self.is_main_service(service):
+            container = self._require_main()
+            writable = self._mount_targets(writable_only=True)
+        else:
+            container = self._sidecar(service)
+            writable = self._volume_targets(self._sidecars[service].service.volumes)
+        await container.stop(writable)
+
+    @staticmethod
+    def _volume_targets(volumes: list[Volume]) -> list[str]:
+        return [volume.target for volume in volumes if not volume.read_only]
 
     # -- stop -------------------------------------------------------------------
 
@@ -901,40 +835,21 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     async def stop(self, delete: bool) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
-        channel, self._channel = self._channel, None
-        process, self._process = self._process, None
-        # Taken before anything ends: Apptainer's FUSE helpers (squashfuse,
-        # fuse-overlayfs) are its children until it exits, orphans after. Off the event
-        # loop: a fleet stopping at once would hold it for seconds.
-        tree = [] if process is None else await asyncio.to_thread(whole_container, process.pid)
-        if channel is not None and not channel.closed:
-            # What the container's other users wrote into the host's folders belongs to the
-            # user's subordinate uids there (fakeroot): hand it to the container's root, which
-            # is the user on the host, and clear the staging folder from inside.
-            writable = shlex.join(self._mount_targets(writable_only=True))
-            cleanup = "rm -rf /staging/env_files /staging/xfer\n"
-            if channel.uid == 0 and writable:
-                cleanup += f"chown -R 0:0 -- {writable} 2>/dev/null\n"
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(channel.run(cleanup.encode(), timeout_sec=20), 25)
-        if channel is not None:
-            channel.shutdown()
-        if process is not None:
-            await self._end_process(process, tree)
+        for sidecar in reversed(list(self._sidecars.values())):
+            await sidecar.container.stop(self._volume_targets(sidecar.service.volumes))
+        self._sidecars = {}
+        if self._main is not None:
+            writable = list(self._mount_targets(writable_only=True))
+            if self._compose is not None:
+                writable += self._volume_targets(self._compose.main.volumes)
+            await self._main.stop(writable)
+            self._main = None
         if self._egress is not None:
             await self._egress.close()
             self._egress = None
         if self._network is not None:
             await self._network.close()
             self._network = None
-        if channel is not None:
-            await channel.wait_closed(timeout_sec=2)
-        if self._stderr_task is not None:
-            await self._drain_stderr()
-            self._stderr_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._stderr_task
-            self._stderr_task = None
         gpus.give_back(self._gpus)
         self._gpus = []
         if self._scratch is not None:
@@ -942,21 +857,3 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 self.logger.warning("could not remove all of %s", self._scratch.path)
             self._scratch = None
         # The .sif stays: it is the shared cache, whatever `delete` says.
-
-    async def _end_process(
-        self, process: asyncio.subprocess.Process, tree: list[psutil.Process]
-    ) -> None:
-        """SIGKILL whatever is left of the tree once the container's main process ended
-        (or did not, within a second), and wait until all of it is gone."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(process.wait(), timeout=1)
-        if process.returncode is None:
-            tree += tree_processes(process.pid)
-        kill_processes(tree)
-        await process.wait()
-        survivors = await asyncio.to_thread(wait_gone, tree, 5)
-        if survivors:
-            self.logger.warning(
-                "processes of the container outlived SIGKILL: %s",
-                ", ".join(str(process.pid) for process in survivors),
-            )

@@ -32,4 +32,5 @@ class EnvironmentHostUnavailable(ContainerDied):
 
 
 class UnsupportedTask(RuntimeError):
-    """The task needs something this environment cannot give it faithfully (compose sidecars)."""
+    """The task needs something this environment cannot give it faithfully (a compose feature
+    one pod cannot honour, named in the message)."""

@@ -69,6 +69,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         squashfuse_finding(build_config),
         network_finding(),
         network_policy_finding(),
+        compose_finding(),
         gpu_finding(),
     ]
     if userns.status is not Status.OK and not _is_setuid_root(_suid_starter_path(build_config)):
@@ -261,6 +262,31 @@ def network_policy_finding() -> Finding:
         Status.WARN,
         f"no network only: {problem}; tasks with an allowlist or a policy per phase are refused",
         ADMIN_HINT if own_network_problem() else "an admin installs nftables (`nft`)",
+    )
+
+
+def compose_finding() -> Finding:
+    """Whether a compose task's services can run beside it (pod.py): `nsenter` joins them to
+    the task's namespaces; without a network of its own they share the node's."""
+    if shutil.which("nsenter") is None:
+        return Finding(
+            "compose services",
+            Status.WARN,
+            "nsenter is not on PATH: compose tasks fail to start",
+            "an admin installs util-linux",
+        )
+    if own_network_problem() is None:
+        return Finding(
+            "compose services",
+            Status.OK,
+            "each service in its own image beside the task, one network namespace (a pod)",
+        )
+    return Finding(
+        "compose services",
+        Status.WARN,
+        "services run beside the task on the node's network (their ports collide with other "
+        "users')",
+        ADMIN_HINT,
     )
 
 

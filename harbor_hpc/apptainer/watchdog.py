@@ -258,6 +258,8 @@ class MemoryWatchdog:
         on_breach: Callable[[MemoryBreach], None] | None = None,
     ) -> None:
         self.root_pid = root_pid
+        # Further trees counted with it (`add_root`).
+        self.other_roots: tuple[int, ...] = ()
         self.tmpfs_paths = tmpfs_paths
         self.limit_bytes = limit_bytes
         self.threshold_bytes = int(limit_bytes * kill_fraction)
@@ -279,6 +281,20 @@ class MemoryWatchdog:
         self._checking = threading.RLock()
         self._stopped = False
 
+    def add_root(self, pid: int, tmpfs_paths: tuple[str, ...]) -> None:
+        """Count the process tree under `pid` too (a compose service of the pod), and its
+        tmpfs mounts."""
+        self.other_roots = (*self.other_roots, pid)
+        self.tmpfs_paths += tmpfs_paths
+
+    def _trees(self) -> tuple[list[int], int]:
+        pids, rss = [], 0
+        for root in (self.root_pid, *self.other_roots):
+            tree, size = tree_rss(root)
+            pids += tree
+            rss += size
+        return pids, rss
+
     def start(self) -> None:
         _SHARED.add(self)
 
@@ -291,7 +307,7 @@ class MemoryWatchdog:
     def check(self) -> MemoryBreach | None:
         """One check; kills the tree and returns the breach when the tree is over the threshold."""
         self.checks += 1
-        tree, rss = tree_rss(self.root_pid)
+        tree, rss = self._trees()
         in_tmpfs = tmpfs_bytes(self.tmpfs_paths)
         self._memory = rss + in_tmpfs
         if self._memory <= self.threshold_bytes:
@@ -304,7 +320,8 @@ class MemoryWatchdog:
         self.breach = MemoryBreach(
             pss + in_tmpfs, self.threshold_bytes, self.limit_bytes, tmpfs_bytes=in_tmpfs
         )
-        kill_processes(tree_processes(self.root_pid))
+        for root in (self.root_pid, *self.other_roots):
+            kill_processes(tree_processes(root))
         return self.breach
 
     def tick(self, now: float, allocated: int | None) -> bool:

@@ -93,8 +93,9 @@ def _build_args(config: Config, flags: list[str] | None) -> dict[str, str]:
     "each image finishes, or maps the task to its error. "
     "A task whose verifier runs in a container of its own (\\[verifier] environment_mode = "
     '"separate") with a tests/Dockerfile gets a second image from tests/, by the same rules. '
-    "Tasks with a docker-compose file are warned about: their sidecars do not run under "
-    "Apptainer. A rerun builds only what the registry (or the store) does not already hold.\n\n"
+    "A task whose docker-compose file asks for what cannot run here is warned about, naming it; "
+    "its services' build: contexts are built into the .sif store when a trial first starts them. "
+    "A rerun builds only what the registry (or the store) does not already hold.\n\n"
     "Exits 1 naming the tasks whose image failed; the other images are still built.\n\n"
     "Example: harbor-hpc build tasks/ --registry localhost:5000/lab --manifest "
     "manifest.json"
@@ -271,12 +272,9 @@ def build(
         )
 
 
-def _warn_compose(compose: dict[str, list[str]]) -> None:
-    for task, files in sorted(compose.items()):
-        warn(
-            f"{task}: {', '.join(files)}: its sidecar services will not run under Apptainer; "
-            "harbor-hpc's environment fails this task with class `unsupported`"
-        )
+def _warn_compose(compose: dict[str, str]) -> None:
+    for task, problem in sorted(compose.items()):
+        warn(f"{task}: {problem}; its trials fail with class `unsupported`")
 
 
 def _show_problems(problems: list[TaskProblem]) -> None:

@@ -16,8 +16,9 @@ A task whose verifier runs in a container of its own (Harbor's separate verifier
 `tests/Dockerfile` has a second context, tests/, hashed, shared and named by the same rules: an
 image is an image whichever role it plays. Its tasks are the image's `verifier_tasks`. A separate
 verifier whose `[verifier.environment] docker_image` the task author set (and no tests/Dockerfile)
-is recorded as that reference, for `convert` and `rewrite --sif`. Compose files are warned about:
-their sidecar services do not run under Apptainer.
+is recorded as that reference, for `convert` and `rewrite --sif`. A compose file is read as the
+environment reads it: what its services ask that cannot be run here is warned about. Its
+services' `build:` contexts are built into the .sif store when a trial first starts them.
 
 Running (`run_build`) records the plan in the manifest first, then makes the distinct images in
 parallel through one `Builder`; each finished image (made, or failed with its error) is written
@@ -48,6 +49,7 @@ from harbor_hpc.images import engine
 from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
 from harbor_hpc.images.dockerfile import read_dockerfile
 from harbor_hpc.images.reference import Reference
+from harbor_hpc.tasks.compose import UnsupportedCompose, compose_file, load_compose
 from harbor_hpc.tasks.discovery import TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
@@ -113,8 +115,8 @@ class BuildPlan:
     verifier_errors: dict[str, str] = field(default_factory=dict)
     # Task -> the `[verifier.environment] docker_image` its author set (nothing to build).
     verifier_references: dict[str, str] = field(default_factory=dict)
-    # Task -> its compose files (relative to the task), whose sidecars will not run.
-    compose: dict[str, list[str]] = field(default_factory=dict)
+    # Task -> why its compose services cannot run here (tasks/compose.py names it).
+    compose: dict[str, str] = field(default_factory=dict)
     # Every build arg given, passed to every build (each image hashes those it declares).
     build_args: dict[str, str] = field(default_factory=dict)
 
@@ -242,13 +244,16 @@ def plan_build(
             plan.images[key] = image
         (image.verifier_tasks if verifier else image.tasks).append(task.rel)
     for task in discovery.tasks:
-        if task.compose_files():
-            plan.compose[task.rel] = task.compose_files()
+        if compose_file(task.environment_dir) is not None:
+            try:
+                load_compose(task.environment_dir)
+            except UnsupportedCompose as exc:
+                plan.compose[task.rel] = str(exc)
         if not task.separate_verifier or task.verifier_build_dir is not None:
             continue
         if task.verifier_docker_image:
             plan.verifier_references[task.rel] = task.verifier_docker_image
-        elif "tests/docker-compose.yaml" in plan.compose.get(task.rel, []):
+        elif "tests/docker-compose.yaml" in task.compose_files():
             plan.verifier_errors[task.rel] = (
                 f"{task.rel}/tests/docker-compose.yaml: a verifier environment made of compose "
                 "services cannot run under Apptainer; give it a tests/Dockerfile"

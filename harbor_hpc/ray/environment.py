@@ -213,7 +213,8 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         # The log folders are on the container's node, not mounted from here: Harbor copies them.
         # The node enforces a network policy, or its environment refuses to start, naming why.
         # GPUs are not reserved on Ray nodes (a placement group holds CPUs and memory only).
-        return environment_capabilities(mounted=False, egress=True, gpus=False)
+        # Compose services: not relayed (per-service operations stay on the node), not declared.
+        return environment_capabilities(mounted=False, egress=True, gpus=False, compose=False)
 
     @override
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:

@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from harbor_hpc.core.errors import InputError
 
 TASK_FILE = "task.toml"
-# Compose files (sidecar services beside the Dockerfile): the names harbor-hpc's environment
-# refuses a task for (class `unsupported`), since Apptainer runs one container.
+# Compose files (services beside the task's own container), as Harbor's Docker environment
+# looks for them.
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
 
 

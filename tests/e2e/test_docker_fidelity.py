@@ -34,6 +34,7 @@ from harbor_hpc.apptainer.errors import (
     UnsupportedTask,
 )
 from tests.support.cli import cli, cli_json
+from tests.support.sample_tasks import FETCH_ANSWER, answer_service
 
 REGISTRY_PORT = 5000  # something listening on the host's loopback (the test registry)
 
@@ -290,10 +291,14 @@ def test_unknown_kwargs_are_refused_with_the_accepted_ones(tmp_path: Path) -> No
         make_environment(tmp_path / "x.sif", tmp_path, fakerot=True)
 
 
-def test_compose_sidecars_are_unsupported_not_ignored(tmp_path: Path) -> None:
+def test_compose_features_one_pod_cannot_honour_are_unsupported_not_ignored(
+    tmp_path: Path,
+) -> None:
     environment = make_environment(tmp_path / "x.sif", tmp_path)
-    (tmp_path / "environment" / "docker-compose.yaml").write_text("services: {}\n")
-    with pytest.raises(UnsupportedTask, match=r"docker-compose\.yaml"):
+    (tmp_path / "environment" / "docker-compose.yaml").write_text(
+        "services:\n  db:\n    image: x\n    network_mode: host\n"
+    )
+    with pytest.raises(UnsupportedTask, match=r"docker-compose\.yaml: service 'db': network_mode"):
         asyncio.run(environment.start(force_build=False))
 
 
@@ -344,7 +349,18 @@ SELF_CONTAINED: dict[str, dict[str, Any]] = {
         "check": "true",
         "toml": "memory_mb = 256\n",
     },
-    "compose": {"solve": "true\n", "check": "true", "compose": True},
+    # A service beside the task, reached by its name once healthy.
+    "compose": {
+        "solve": FETCH_ANSWER.replace("/tmp/answer", "/tmp/fetched"),
+        "check": '[ "$(cat /tmp/fetched)" = 42 ]',
+        "compose": "answers",
+    },
+    # What one pod cannot give (a fixed address on a network of its own) is named.
+    "compose-fixed-address": {
+        "solve": "true\n",
+        "check": "true",
+        "compose": "fixed",
+    },
 }
 EXPECTED = {
     "as-root": ("done", 1.0, None),
@@ -352,7 +368,8 @@ EXPECTED = {
     "entrypoint": ("done", 1.0, None),
     "hog-daemon": ("failed", None, "memory"),
     "hog-shm": ("failed", None, "memory"),
-    "compose": ("failed", None, "unsupported"),
+    "compose": ("done", 1.0, None),
+    "compose-fixed-address": ("failed", None, "unsupported"),
 }
 
 
@@ -366,9 +383,12 @@ def write_task(root: Path, name: str, spec: dict[str, Any], image: Path) -> None
     )
     (task / "instruction.md").write_text(f"{name}\n")
     (task / "environment" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
-    if spec.get("compose"):
+    if spec.get("compose") == "answers":
+        (task / "environment" / "docker-compose.yaml").write_text(answer_service(str(image)))
+    elif spec.get("compose"):
         (task / "environment" / "docker-compose.yaml").write_text(
-            "services:\n  db:\n    image: postgres\n"
+            "services:\n  db:\n    image: postgres\n    networks:\n"
+            "      n: {ipv4_address: 10.0.0.5}\n"
         )
     (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + spec["solve"])
     (task / "tests" / "test.sh").write_text(VERIFY.format(check=spec["check"]))
@@ -391,7 +411,7 @@ def test_published_task_features_through_submit(
     # first (each asks for the whole node) and pay Slurm's and the worker's start-up again.
     submitted = cli(
         "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
-        "--executor", "slurm", "--concurrency", "3", "--tasks-per-job", "6", "--wait",
+        "--executor", "slurm", "--concurrency", "3", "--tasks-per-job", "7", "--wait",
         check=False,
     )  # fmt: skip
     assert submitted.returncode in (0, 1), submitted.stderr
@@ -402,7 +422,7 @@ def test_published_task_features_through_submit(
         f"{name}: {row}\n{trial_logs(run_dir / 'trials' / str(row['trial']))}"
         for name, row in wrong.items()
     )
-    assert "docker-compose.yaml" in (statuses["compose"]["message"] or "")
+    assert "ipv4_address" in (statuses["compose-fixed-address"]["message"] or "")
     assert "256 MB" in (statuses["hog-shm"]["message"] or "")
 
 

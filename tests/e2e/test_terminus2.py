@@ -24,7 +24,7 @@ import pytest
 
 from harbor_hpc.results.rollout import SCHEMA_FILE
 from tests.support.cli import cli, cli_json
-from tests.support.sample_tasks import make_task
+from tests.support.sample_tasks import FETCH_ANSWER, answer_service, make_task
 from tests.support.scripted_llm import Exchange, ScriptedLLM
 from tests.support.trainers import nemo_rl_message_log, skyrl_generator_output
 
@@ -280,3 +280,26 @@ def test_the_trainer_example_gets_the_servers_tokens_back_in_python(
     assert ran.stdout.splitlines() == [
         f"answer #0: reward=1.0 trainable=True policy_tokens={produced}/{total}"
     ]
+
+
+@pytest.mark.slurm
+def test_terminus2_solves_a_compose_task_through_submit_on_slurm(
+    debian_sif: Path, llm_env: None, tmp_path: Path
+) -> None:
+    """A task whose answer only a compose service beside it knows (reached by its name once
+    healthy): terminus-2 fetches it through tmux, on Slurm, and its tokens come back exactly."""
+    task = make_task(
+        tmp_path / "tasks", "pod", kind="from_service", image=str(debian_sif),
+        compose=answer_service(str(debian_sif)),
+    )  # fmt: skip
+    with ScriptedLLM(solving(FETCH_ANSWER)) as llm:
+        run_dir = tmp_path / "run"
+        cli_json(
+            "submit", str(task.parent), *agent_args(llm), "--run-dir", str(run_dir),
+            "--executor", "slurm", "--wait",
+        )  # fmt: skip
+        (status,) = cli_json("status", str(run_dir))
+        assert (status["state"], status["reward"], status["failure"]) == ("done", 1.0, None), status
+        assert_solved_with_the_servers_tokens(run_dir / "trials" / status["trial"], llm)
+        (line,) = export(run_dir, "full", tmp_path)
+        assert_turns_are_the_servers(line, llm.exchanges)

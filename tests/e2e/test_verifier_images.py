@@ -85,6 +85,14 @@ def test_plan_builds_tests_as_one_more_context_shared_across_tasks_and_roles(
         verifier=f'[verifier.environment]\ndocker_image = "localhost:5000/g/grader@{DIGEST}"\n',
     )
     make_task(root, "sidecars", files={"environment/docker-compose.yaml": "services: {}\n"})
+    make_task(
+        root,
+        "host-net",
+        files={
+            "environment/docker-compose.yaml": "services:\n  db:\n    image: x\n"
+            "    network_mode: host\n"
+        },
+    )
 
     plan = plan_build(root, "localhost:5000/ns")
 
@@ -93,19 +101,30 @@ def test_plan_builds_tests_as_one_more_context_shared_across_tasks_and_roles(
     assert (tests_a / "Dockerfile").read_text() == (tests_b / "Dockerfile").read_text()
     # a's and d's tests/ are one context; b's has a test.sh too; c's environment/ is a's tests/.
     assert (["c"], ["a", "d"]) in roles and ([], ["b"]) in roles
-    assert sum(len(image.tasks) for image in plan.images.values()) == 8  # every environment/
+    assert sum(len(image.tasks) for image in plan.images.values()) == 9  # every environment/
     assert "shared" not in {t for image in plan.images.values() for t in image.verifier_tasks}
     assert plan.verifier_errors == {
         "outside": "outside/tests/Dockerfile: COPY ../solution/x reaches outside the build "
         "context (tests/), which Docker does not send; move the file into tests/"
     }
     assert plan.verifier_references == {"author": f"localhost:5000/g/grader@{DIGEST}"}
-    assert plan.compose == {"sidecars": ["environment/docker-compose.yaml"]}
+    # A compose file is read as the environment reads it: only what cannot run is named.
+    assert list(plan.compose) == ["host-net"] and "network_mode 'host'" in plan.compose["host-net"]
 
 
-def test_build_dry_run_warns_about_compose_sidecars_per_task(tmp_path: Path) -> None:
+def test_build_dry_run_warns_about_compose_that_cannot_run_per_task(tmp_path: Path) -> None:
     root = tmp_path / "tasks"
-    make_task(root, "one", files={"environment/docker-compose.yml": "services: {}\n"})
+    make_task(
+        root,
+        "one",
+        files={
+            "environment/docker-compose.yml": "services:\n  db:\n    image: x\n"
+            "    privileged: true\n"
+        },
+    )
+    make_task(
+        root, "fine", files={"environment/docker-compose.yml": "services:\n  db:\n    image: x\n"}
+    )
     make_task(root, "two")
     result = subprocess.run(
         [sys.executable, "-m", "harbor_hpc", "build", str(root), "--registry",
@@ -113,10 +132,13 @@ def test_build_dry_run_warns_about_compose_sidecars_per_task(tmp_path: Path) -> 
         capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "sidecar" in line]
+    warnings = [line for line in result.stderr.splitlines() if "compose" in line]
     assert len(warnings) == 1
-    assert "one: environment/docker-compose.yml" in warnings[0]
-    assert "will not run under Apptainer" in warnings[0] and "`unsupported`" in warnings[0]
+    assert (
+        warnings[0].startswith("warning: one: ")
+        and "docker-compose.yml: service 'db'" in warnings[0]
+    )
+    assert "`privileged`" in warnings[0] and "`unsupported`" in warnings[0]
 
 
 # ---- the manifest -------------------------------------------------------------------------------

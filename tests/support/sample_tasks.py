@@ -17,6 +17,12 @@ if [ "$(cat /tmp/answer 2>/dev/null)" = "42" ]; then echo 1 > /logs/verifier/rew
 else echo 0 > /logs/verifier/reward.txt; fi
 """
 
+# Fetches the answer from the `answers` service (answer_service).
+FETCH_ANSWER = (
+    'python3 -c "import urllib.request as u; '
+    "print(u.urlopen('http://answers:8000/answer').read().decode().strip())\" > /tmp/answer\n"
+)
+
 SOLVE = {
     "solved": "echo 42 > /tmp/answer\n",
     "unsolved": "echo 41 > /tmp/answer\n",
@@ -35,6 +41,8 @@ SOLVE = {
     # Solves only when the agent was given the secret its run passed with --agent-env.
     "secret": '[ "$HH_TEST_SECRET" = s3cr3t-2f9a ] && echo 42 > /tmp/answer\n',
     # Solves only when it was given exactly one GPU (of the devices Slurm gave its job).
+    # Solves only where the compose service `answers` (answer_service) is reachable by name.
+    "from_service": FETCH_ANSWER,
     "one_gpu": (
         'echo "$CUDA_VISIBLE_DEVICES" > /logs/agent/gpus\n'
         'one="${CUDA_VISIBLE_DEVICES#*,}"\n'
@@ -55,6 +63,7 @@ def make_task(
     verifier_timeout_sec: float = 60,
     gpus: int = 0,
     gpu_types: list[str] | None = None,
+    compose: str | None = None,
 ) -> Path:
     """Write the task `root/name` of `kind` (a key of SOLVE) running in `image`."""
     task = root / name
@@ -72,8 +81,36 @@ def make_task(
     )
     (task / "instruction.md").write_text("Write 42 into /tmp/answer.\n")
     (task / "environment" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
+    if compose is not None:
+        (task / "environment" / "docker-compose.yaml").write_text(compose)
     (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + SOLVE[kind])
     (task / "tests" / "test.sh").write_text(_TEST)
     for script in (task / "solution" / "solve.sh", task / "tests" / "test.sh"):
         script.chmod(0o755)
     return task
+
+
+def answer_service(image: str) -> str:
+    """A compose file whose service `answers` (in `image`, python3 in it) serves the answer at
+    http://answers:8000/answer once healthy; the task's container waits for that."""
+    return f"""\
+services:
+  main:
+    depends_on:
+      answers:
+        condition: service_healthy
+  answers:
+    image: {image}
+    command:
+      - sh
+      - -c
+      - mkdir -p /srv && echo 42 > /srv/answer && exec python3 -m http.server 8000 -d /srv
+    healthcheck:
+      test:
+        - CMD
+        - python3
+        - -c
+        - import socket; socket.create_connection(('localhost', 8000), 2)
+      interval: 1s
+      retries: 60
+"""

@@ -1,0 +1,189 @@
+"""A compose task's services beside its main container: one pod, as an ordinary user.
+
+Each service (tasks/compose.py) is a container of its own (container.py: its image, overlay,
+command server) that joins the main container's user and network namespaces
+(`nsenter -t PID -U -n --preserve-credentials apptainer exec ...`): it is root there as the
+main container is, shares its loopback (service names resolve to 127.0.0.1 in every
+/etc/hosts of the pod), its network of its own and whatever network policy holds there. Where the
+main container shares the node's network, so do its services. Its image is an `image:`
+reference, converted into the .sif store as `convert` does, or a `build:` context, found in the
+store under the name `build --builder apptainer` gives it (`env-<context hash>.sif`) and built
+there first when missing, as `docker compose up` builds a missing image.
+
+A service runs its ENTRYPOINT and command (the compose file's, else the image's) in the
+background, as its user, in its working directory, with the image's ENV and its `environment`;
+`depends_on` conditions are waited for: started (and settled, container.py), healthy (its
+healthcheck, Docker's interval, timeout, retries and start period), completed successfully.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from harbor_hpc.apptainer.builder import ApptainerBuilder, sif_name
+from harbor_hpc.apptainer.container import Container, launcher
+from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable
+from harbor_hpc.apptainer.runtime import task_container_command
+from harbor_hpc.apptainer.sif import ImageConfig, image_config
+from harbor_hpc.apptainer.store import checked_sif, ensure_sif, is_ready, sif_file
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.images.build import ImageFailed, PlannedImage
+from harbor_hpc.images.context import context_hash
+from harbor_hpc.images.reference import Reference
+from harbor_hpc.tasks.compose import Healthcheck, Service
+from harbor_hpc.tasks.manifest import ImageRecord
+
+# How long a service may take to reach `service_started` (its command running).
+STARTED_TIMEOUT_SEC = 60.0
+
+
+def service_sif(
+    service: Service, environment_dir: Path, store: Path, *, nohttps: bool | None
+) -> Path:
+    """The .sif of `service`'s image, made ready in `store` when it is not there yet.
+    Raises ImageUnavailable naming the service."""
+    where = f"service {service.name!r}"
+    try:
+        if service.image is not None:
+            own = sif_file(service.image, environment_dir)
+            if own is not None:
+                return checked_sif(own, nohttps=nohttps)
+            return ensure_sif(service.image, store, nohttps=nohttps)
+        assert service.build is not None
+        context = context_hash(service.build)
+        final = store.expanduser().absolute() / sif_name(context)
+        if is_ready(final):
+            return final
+        builder = ApptainerBuilder(store, build_args={}, nohttps=nohttps)
+        builder.check_here()
+        image = PlannedImage(context, Reference("", f"env-{context[:12]}"), service.build)
+        log = store.expanduser().absolute() / ".build-logs" / f"env-{context[:12]}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        builder.make(image, ImageRecord(image.name, context), log, lambda _: None)
+        return final
+    except HarborHpcError as exc:
+        hint = f" ({exc.hint})" if exc.hint else ""
+        raise ImageUnavailable(f"{where}: {exc.message}{hint}") from exc
+    except (ImageFailed, OSError) as exc:
+        raise ImageUnavailable(
+            f"{where}: its build context {service.build} could not be built into {store}: {exc}"
+        ) from exc
+
+
+class Sidecar:
+    """One compose service, running in the pod (see the module docstring)."""
+
+    def __init__(
+        self, service: Service, task: str, private: Path, sif: Path, logger: logging.Logger
+    ) -> None:
+        self.service = service
+        image = image_config(sif) or ImageConfig()
+        self.container = Container(
+            f"task {task}, service {service.name}", private, sif, image, logger
+        )
+        self.logger = logger
+        self._exit: Path | None = None
+        self._log: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.service.name
+
+    @property
+    def workdir(self) -> str:
+        return self.service.working_dir or self.container.image.workdir or "/"
+
+    def argv(self) -> list[str]:
+        """What Docker runs: the entrypoint, then the command (the image's CMD only where the
+        compose file does not set an entrypoint of its own)."""
+        image = self.container.image
+        entrypoint = (
+            self.service.entrypoint if self.service.entrypoint is not None else image.entrypoint
+        )
+        if self.service.command is not None:
+            command: Sequence[str] = self.service.command
+        else:
+            command = image.cmd if self.service.entrypoint is None else ()
+        return [*entrypoint, *command]
+
+    async def start(
+        self, prefix: Sequence[str], flags: Sequence[str], binds: Sequence[str]
+    ) -> None:
+        """Launch the container (`prefix` joins the pod's namespaces) and its command."""
+        env = {**self.container.image.env, **self.service.environment}
+        self.container.stage(env)
+        command = task_container_command(
+            self.container.sif,
+            flags,
+            launcher(self.workdir),
+            overlay=self.container.overlay,
+            own_network=False,
+            options=["--uts", "--hostname", self.name, *binds],
+        )
+        await self.container.launch([*prefix, *command])
+        argv = self.argv()
+        if not argv:
+            raise ContainerStartFailed(
+                f"{self.container.name}: no command to run (image or compose)"
+            )
+        self._log, self._exit = await self.container.start_background(
+            argv, "service", cwd=self.workdir, user=self.service.user
+        )
+
+    def exit_status(self) -> int | None:
+        """The service's command's exit status once it ended, else None."""
+        if self._exit is None or not self._exit.exists():
+            return None
+        text = self._exit.read_text().strip()
+        return int(text) if text.lstrip("-").isdigit() else None
+
+    def log_tail(self) -> str:
+        if self._log is None or not self._log.exists():
+            return ""
+        return self._log.read_text(errors="replace")[-2000:]
+
+    async def reach(self, condition: str) -> None:
+        """Wait until the service is `condition` (a compose depends_on condition)."""
+        if condition == "service_healthy":
+            await self._healthy()
+        elif condition == "service_completed_successfully":
+            while (status := self.exit_status()) is None:
+                await asyncio.sleep(0.1)
+            if status != 0:
+                self._fail(f"exited with {status}")
+        else:
+            await self.container.settle()
+
+    async def _healthy(self) -> None:
+        check = self.service.healthcheck
+        if check is None:
+            self._fail("is waited for as service_healthy but has no healthcheck")
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        failures = 0
+        while True:
+            if await self._probe(check):
+                return
+            if self.exit_status() is not None:
+                self._fail(f"exited with {self.exit_status()} before it was healthy")
+            if loop.time() - started >= check.start_period_sec:
+                failures += 1
+                if failures >= check.retries:
+                    self._fail(f"is unhealthy after {failures} healthchecks")
+            await asyncio.sleep(check.interval_sec)
+
+    async def _probe(self, check: Healthcheck) -> bool:
+        script = self.container.script(shlex.join(check.test), None, None, self.service.user)
+        try:
+            output = await self.container.run(script, timeout_sec=max(1, int(check.timeout_sec)))
+        except RuntimeError:
+            return False
+        return output.exit_code == 0
+
+    def _fail(self, why: str) -> None:
+        raise ContainerStartFailed(f"{self.container.name} {why}:\n{self.log_tail()}")

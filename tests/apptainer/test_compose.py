@@ -1,0 +1,340 @@
+"""Docker Compose tasks as one pod: the compose files read as Harbor's Docker environment merges
+them, then services beside the task's container, each from its own image, reachable by name,
+waited for as `depends_on` asks, counted by the watchdog and open to Harbor's per-service
+operations; as an ordinary user, on the real Apptainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harbor_hpc.apptainer.errors import MemoryLimitExceeded, UnsupportedTask
+from harbor_hpc.tasks.compose import Healthcheck, UnsupportedCompose, Volume, load_compose
+from tests.apptainer.test_environment import ENVIRONMENT, HARBOR, make_environment, reward
+from tests.support.sample_tasks import answer_service, make_task
+
+
+def write_compose(folder: Path, text: str, name: str = "docker-compose.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+    return folder / name
+
+
+# -- reading compose files ----------------------------------------------------------------
+
+
+def test_compose_files_merge_as_docker_compose_merges_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DB_TAG", "16")
+    monkeypatch.delenv("UNSET_HERE", raising=False)
+    env_dir = tmp_path / "environment"
+    (env_dir / "web").mkdir(parents=True)
+    (env_dir / "web" / "Dockerfile").write_text("FROM x\n")
+    (env_dir / ".env").write_text("PORT=5432\n")
+    write_compose(
+        env_dir,
+        """\
+services:
+  main:
+    depends_on: [db]
+    environment: [A=1]
+    volumes: [./data:/data:ro]
+  db:
+    image: registry.test/postgres:${DB_TAG}
+    environment: {PORT: "${PORT}", LEVEL: "${UNSET_HERE:-info}", COST: "$$5"}
+    command: postgres -p 5432
+    healthcheck: {test: "pg_isready", interval: 1m30s, retries: 5}
+    volumes: [pgdata:/var/lib/postgresql]
+  web:
+    build: ./web
+    depends_on: {db: {condition: service_healthy}}
+    expose: ["80"]
+""",
+    )
+    extra = write_compose(tmp_path, "services:\n  main:\n    environment: {B: '2'}\n", "extra.yaml")
+    compose = load_compose(env_dir, [extra])
+    assert compose is not None
+    assert [service.name for service in compose.services] == ["db", "web"]  # start order
+    assert compose.main.environment == {"A": "1", "B": "2"}
+    assert compose.main.depends_on == {"db": "service_started"}
+    assert compose.main.volumes == [Volume(str(env_dir / "data"), "/data", read_only=True)]
+    db, web = compose.services
+    assert db.image == "registry.test/postgres:16"
+    assert db.environment == {"PORT": "5432", "LEVEL": "info", "COST": "$5"}
+    assert db.command == ("postgres", "-p", "5432")
+    assert db.healthcheck == Healthcheck(("/bin/sh", "-c", "pg_isready"), 90.0, 30.0, 5, 0.0)
+    assert db.volumes == [Volume("pgdata", "/var/lib/postgresql", named=True)]
+    assert web.build == (env_dir / "web").resolve() and web.depends_on == {"db": "service_healthy"}
+    assert load_compose(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            "services:\n  dns:\n    image: x\n    networks:\n"
+            "      net: {ipv4_address: 10.0.0.53}\n",
+            "networks.net.ipv4_address",
+        ),
+        ("services:\n  db:\n    image: x\n    privileged: true\n", "`privileged`"),
+        ("services:\n  main:\n    image: other\n", "`image` (the main service's)"),
+        ("services:\n  db:\n    image: x\n    depends_on: [cache]\n", "'cache'"),
+        (
+            "services:\n  a:\n    image: x\n    depends_on: [b]\n"
+            "  b:\n    image: x\n    depends_on: [a]\n",
+            "cycle",
+        ),
+        ("services:\n  db:\n    build: {context: ., args: {A: 1}}\n", "build.args"),
+        ("services:\n  db:\n    image: x\n    network_mode: host\n", "network_mode 'host'"),
+        ("secrets: {}\n", "top-level `secrets`"),
+        ("services: [1\n", "not a readable compose file"),
+    ],
+)
+def test_what_one_pod_cannot_honour_is_named(tmp_path: Path, text: str, named: str) -> None:
+    write_compose(tmp_path, text)
+    with pytest.raises(UnsupportedCompose, match=r"docker-compose\.yaml") as caught:
+        load_compose(tmp_path)
+    assert named in str(caught.value)
+
+
+def test_a_task_asking_for_a_fixed_address_fails_unsupported_naming_it(tmp_path: Path) -> None:
+    write_compose(
+        tmp_path / "env",
+        "services:\n  dns:\n    image: x\n    networks:\n      n: {ipv4_address: 10.0.0.53}\n",
+    )
+    environment = make_environment(str(tmp_path / "x.sif"), tmp_path, tmp_path / "env")
+    with pytest.raises(UnsupportedTask, match=r"task unit: .*ipv4_address"):
+        asyncio.run(environment.start(force_build=False))
+
+
+# -- the pod ------------------------------------------------------------------------------------
+
+
+PROBE = "import socket; socket.create_connection(('localhost', 5000), 2)"
+POD = """\
+services:
+  main:
+    depends_on:
+      api: {{condition: service_healthy}}
+      init: {{condition: service_completed_successfully}}
+    environment: {{API_URL: "http://api:5000"}}
+    volumes: [shared:/shared]
+  init:
+    image: {image}
+    command: ["sh", "-c", "echo seeded > /shared/seed"]
+    volumes: [shared:/shared]
+  api:
+    image: {image}
+    command: ["sh", "-c", "sleep 1; exec python3 -m http.server 5000"]
+    working_dir: /srv
+    environment: [GREETING=hi]
+    healthcheck:
+      test: ["CMD", "python3", "-c", "{probe}"]
+      interval: 0.5s
+      retries: 60
+    volumes: [shared:/shared]
+"""
+
+
+@pytest.mark.apptainer
+def test_services_run_beside_the_task_as_docker_compose_runs_them(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    env_dir = tmp_path / "environment"
+    write_compose(env_dir, POD.format(image=debian_sif, probe=PROBE))
+    environment = make_environment(str(debian_sif), tmp_path, env_dir, mb=1024)
+    assert environment.capabilities.docker_compose
+
+    async def scenario() -> dict[str, str]:
+        await environment.start(force_build=False)
+        try:
+            seen = {}
+            # Reachable by name as soon as the task starts: main waited for `healthy`.
+            main = await environment.exec(
+                "getent hosts api | cut -d' ' -f1; cat /shared/seed; python3 -c "
+                "\"import os, urllib.request as u; print(u.urlopen(os.environ['API_URL']).status)\""
+            )
+            seen["main"] = main.stdout
+            api = await environment.service_exec(
+                "id -u; hostname; pwd; echo $GREETING; echo from-api > /shared/note",
+                service="api",
+            )
+            seen["api"] = api.stdout
+            seen["shared"] = (await environment.exec("cat /shared/note")).stdout
+            await environment.service_download_file("/etc/hostname", tmp_path / "h", service="api")
+            seen["download"] = (tmp_path / "h").read_text()
+            # Stopping main leaves the rest of the pod running (sidecar evidence collection).
+            await environment.stop_service("main")
+            seen["after"] = (
+                await environment.service_exec(
+                    "python3 -c \"import socket; socket.create_connection(('localhost', 5000), 2)\""
+                    " && echo up",
+                    service="api",
+                )
+            ).stdout
+            with pytest.raises(ValueError, match="no running compose service 'nope'"):
+                await environment.service_exec("true", service="nope")
+            return seen
+        finally:
+            await environment.stop(delete=True)
+
+    seen = asyncio.run(scenario())
+    assert seen["main"].split() == ["127.0.0.1", "seeded", "200"]
+    assert seen["api"].split() == ["0", "api", "/srv", "hi"]
+    assert seen["shared"] == "from-api\n" and seen["download"] == "api\n"
+    assert seen["after"] == "up\n"
+    assert list(tmp_path.glob("trial/**/harbor-hpc-env-*")) == []
+
+
+@pytest.mark.apptainer
+def test_the_watchdog_counts_every_service_against_the_tasks_memory(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    env_dir = tmp_path / "environment"
+    write_compose(
+        env_dir,
+        f"""\
+services:
+  hog:
+    image: {debian_sif}
+    command: ["python3", "-c", "import time; b = bytearray(400 << 20); time.sleep(600)"]
+""",
+    )
+    environment = make_environment(str(debian_sif), tmp_path, env_dir, mb=256)
+
+    async def scenario() -> None:
+        await environment.start(force_build=False)
+        try:
+            for _ in range(100):
+                await environment.exec("sleep 0.1")
+        finally:
+            await environment.stop(delete=True)
+
+    with pytest.raises(MemoryLimitExceeded, match="256 MB"):
+        asyncio.run(scenario())
+
+
+@pytest.mark.apptainer
+def test_an_unhealthy_service_fails_the_start_with_its_output(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    env_dir = tmp_path / "environment"
+    write_compose(
+        env_dir,
+        f"""\
+services:
+  main:
+    depends_on: {{db: {{condition: service_healthy}}}}
+  db:
+    image: {debian_sif}
+    command: ["sh", "-c", "echo db is broken; sleep 600"]
+    healthcheck: {{test: "false", interval: 0.2s, retries: 3}}
+""",
+    )
+    environment = make_environment(str(debian_sif), tmp_path, env_dir)
+    with pytest.raises(
+        RuntimeError, match=r"service db is unhealthy after 3 healthchecks:\ndb is broken"
+    ):
+        asyncio.run(environment.start(force_build=False))
+
+
+# -- a published compose task's shape, through Harbor ---------------------------------------------
+
+SERVER = """\
+from http.server import BaseHTTPRequestHandler, HTTPServer
+import json
+
+items = [{"id": 1, "name": "alpha"}]
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps(items).encode())
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        items.append({"id": len(items) + 1, "name": body["name"]})
+        self.send_response(201)
+        self.end_headers()
+
+
+HTTPServer(("0.0.0.0", 5000), Handler).serve_forever()
+"""
+
+
+@pytest.mark.apptainer
+@pytest.mark.registry
+def test_a_build_context_service_is_built_into_the_store_and_the_oracle_scores(
+    debian_sif: Path, base_image: str, tmp_path: Path
+) -> None:
+    """The cookbook's multi-container shape: main waits for `api-server`, built from its own
+    context (here FROM the test base image in the registry), healthy; the oracle talks to it
+    by name. The first trial builds the service's image into the store; a second finds it."""
+    task = make_task(tmp_path / "tasks", "multi", image=str(debian_sif), kind="solved")
+    env_dir = task / "environment"
+    (env_dir / "api-server").mkdir()
+    (env_dir / "api-server" / "Dockerfile").write_text(
+        f"FROM {base_image}\nWORKDIR /app\nCOPY server.py .\nEXPOSE 5000\n"
+        'CMD ["python3", "server.py"]\n'
+    )
+    (env_dir / "api-server" / "server.py").write_text(SERVER)
+    write_compose(
+        env_dir,
+        """\
+services:
+  main:
+    depends_on:
+      api-server:
+        condition: service_healthy
+  api-server:
+    build:
+      context: ./api-server
+    expose: ["5000"]
+    healthcheck:
+      test: ["CMD", "python3", "-c", "{probe}"]
+      interval: 2s
+      timeout: 5s
+      retries: 15
+      start_period: 5s
+""".replace("{probe}", PROBE),
+    )
+    (task / "solution" / "solve.sh").write_text(
+        "#!/bin/bash\nset -e\npython3 - <<'PY'\nimport json, urllib.request as u\n"
+        "u.urlopen(u.Request('http://api-server:5000/items', json.dumps({'name': 'harbor'})"
+        ".encode(), {'Content-Type': 'application/json'}))\n"
+        "names = [i['name'] for i in json.load(u.urlopen('http://api-server:5000/items'))]\n"
+        "open('/tmp/answer', 'w').write('42' if 'harbor' in names else '0')\nPY\n"
+    )
+    store = tmp_path / "store"
+    for attempt in ("build", "found"):
+        trials = tmp_path / f"trials-{attempt}"
+        done = subprocess.run(
+            [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", ENVIRONMENT,
+             "--environment-kwarg", f"singularity_image_cache_dir={store}",
+             "--environment-kwarg", "nohttps=true", "--trials-dir", str(trials)],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        (trial,) = trials.iterdir()
+        result = json.loads((trial / "result.json").read_text())
+        assert result.get("exception_info") is None, result["exception_info"]
+        assert reward(result) == 1.0
+    built = sorted(path.name for path in store.glob("env-*.sif"))
+    assert len(built) == 1, built
+
+
+def test_answer_service_task_reads_as_a_pod(tmp_path: Path) -> None:
+    task = make_task(
+        tmp_path, "t", image="x.sif", kind="from_service", compose=answer_service("y.sif")
+    )
+    compose = load_compose(task / "environment")
+    assert compose is not None and compose.names() == ["main", "answers"]
+    assert compose.main.depends_on == {"answers": "service_healthy"}
