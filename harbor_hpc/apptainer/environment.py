@@ -150,7 +150,7 @@ def parse_extra_hosts(text: str | None) -> dict[str, list[str]]:
 
 
 def environment_capabilities(
-    *, mounted: bool, egress: bool | None = None, gpus: bool = True, compose: bool = True
+    *, mounted: bool, egress: bool | None = None, gpus: bool = True
 ) -> EnvironmentCapabilities:
     """What a task may ask of our environments: no network is an empty network namespace; an
     allowlist, and a policy per phase, where the container gets a network of its own and
@@ -169,7 +169,7 @@ def environment_capabilities(
             if name.startswith("network_allowlist")
         },
         gpus=gpus,
-        docker_compose=compose,
+        docker_compose=True,
     )
 
 

@@ -37,40 +37,46 @@ from harbor_hpc.images.reference import Reference
 from harbor_hpc.tasks.compose import Healthcheck, Service
 from harbor_hpc.tasks.manifest import ImageRecord
 
-# How long a service may take to reach `service_started` (its command running).
-STARTED_TIMEOUT_SEC = 60.0
-
 
 def service_sif(
     service: Service, environment_dir: Path, store: Path, *, nohttps: bool | None
 ) -> Path:
-    """The .sif of `service`'s image, made ready in `store` when it is not there yet.
+    """The .sif of `service`'s image, made ready in `store` when it is not there yet: its
+    `image:`, else, or where that cannot be had, its `build:` context. Beside a `build:`, an
+    `image:` only names what the build makes (`docker compose up` builds it), unless it is what
+    `rewrite` pins a built context to: a .sif, or a reference pinned by digest.
     Raises ImageUnavailable naming the service."""
     where = f"service {service.name!r}"
-    try:
-        if service.image is not None:
-            own = sif_file(service.image, environment_dir)
+    image = service.image
+    if image is not None and service.build is not None:
+        image = image if image.endswith(".sif") or "@sha256:" in image else None
+    if image is not None:
+        try:
+            own = sif_file(image, environment_dir)
             if own is not None:
                 return checked_sif(own, nohttps=nohttps)
-            return ensure_sif(service.image, store, nohttps=nohttps)
-        assert service.build is not None
+            return ensure_sif(image, store, nohttps=nohttps)
+        except HarborHpcError as exc:
+            if service.build is None:
+                hint = f" ({exc.hint})" if exc.hint else ""
+                raise ImageUnavailable(f"{where}: {image}: {exc.message}{hint}") from exc
+    assert service.build is not None
+    try:
         context = context_hash(service.build)
         final = store.expanduser().absolute() / sif_name(context)
         if is_ready(final):
             return final
         builder = ApptainerBuilder(store, build_args={}, nohttps=nohttps)
         builder.check_here()
-        image = PlannedImage(context, Reference("", f"env-{context[:12]}"), service.build)
+        planned = PlannedImage(context, Reference("", f"env-{context[:12]}"), service.build)
         log = store.expanduser().absolute() / ".build-logs" / f"env-{context[:12]}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        builder.make(image, ImageRecord(image.name, context), log, lambda _: None)
+        builder.make(planned, ImageRecord(planned.name, context), log, lambda _: None)
         return final
-    except HarborHpcError as exc:
-        hint = f" ({exc.hint})" if exc.hint else ""
-        raise ImageUnavailable(f"{where}: {exc.message}{hint}") from exc
-    except (ImageFailed, OSError) as exc:
+    except (HarborHpcError, ImageFailed, OSError) as exc:
+        why = exc.message if isinstance(exc, HarborHpcError) else str(exc)
         raise ImageUnavailable(
-            f"{where}: its build context {service.build} could not be built into {store}: {exc}"
+            f"{where}: its build context {service.build} could not be built into {store}: {why}"
         ) from exc
 
 

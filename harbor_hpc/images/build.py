@@ -50,17 +50,19 @@ from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
 from harbor_hpc.images.dockerfile import read_dockerfile
 from harbor_hpc.images.reference import Reference
 from harbor_hpc.tasks.compose import UnsupportedCompose, compose_file, load_compose
-from harbor_hpc.tasks.discovery import TaskProblem, discover_tasks
+from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
     Manifest,
+    RoleImage,
     TaskRecord,
-    VerifierRecord,
     update_manifest,
 )
 
 log = logging.getLogger(__name__)
 
+# The role of a separate verifier's context (tasks' own have "", compose services their name).
+VERIFIER = "\0verifier"
 # Below this many tasks, starting worker processes costs more than it saves.
 _PARALLEL_HASH_MIN = 500
 _AUTH_REFUSALS = ("unauthorized", "authentication required", "no basic auth", "denied")
@@ -77,13 +79,15 @@ class PlannedImage:
     tasks: list[str] = field(default_factory=list)
     # Tasks whose separate verifier runs in this image.
     verifier_tasks: list[str] = field(default_factory=list)
+    # (task, compose service) whose service runs in this image.
+    services: list[tuple[str, str]] = field(default_factory=list)
     # The build args its Dockerfile declares, as given: part of the context hash.
     build_args: dict[str, str] = field(default_factory=dict)
 
     @property
     def users(self) -> list[str]:
         """Every task that needs this image, in either role."""
-        return sorted({*self.tasks, *self.verifier_tasks})
+        return sorted({*self.tasks, *self.verifier_tasks, *(task for task, _ in self.services)})
 
     @property
     def name(self) -> str:
@@ -117,6 +121,8 @@ class BuildPlan:
     verifier_references: dict[str, str] = field(default_factory=dict)
     # Task -> why its compose services cannot run here (tasks/compose.py names it).
     compose: dict[str, str] = field(default_factory=dict)
+    # Task -> its compose services' `image:` references (nothing to build; `convert` takes them).
+    service_references: dict[str, dict[str, str]] = field(default_factory=dict)
     # Every build arg given, passed to every build (each image hashes those it declares).
     build_args: dict[str, str] = field(default_factory=dict)
 
@@ -149,6 +155,7 @@ class BuildPlan:
                     "image": image.tagged,
                     "tasks": image.tasks,
                     "verifier_tasks": image.verifier_tasks,
+                    "services": [list(pair) for pair in image.services],
                     "build_args": image.build_args,
                     "status": self.status(key, recorded),
                 }
@@ -158,6 +165,7 @@ class BuildPlan:
             "verifier_errors": self.verifier_errors,
             "verifier_references": self.verifier_references,
             "compose": self.compose,
+            "service_references": self.service_references,
             "problems": [problem.to_json() for problem in self.problems],
         }
 
@@ -211,13 +219,17 @@ def plan_build(
     given = dict(build_args or {})
     target = Reference.registry_target(registry) if registry else Reference("", "")
     discovery = discover_tasks(root)
-    # (task, context folder, is the verifier's): the environment's, then separate verifiers'.
-    roles = [(task, task.environment_dir, False) for task in discovery.tasks]
+    plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
+    # (task, context folder, role): the environment's (role ""), separate verifiers'
+    # (VERIFIER), compose services' (the service's name).
+    roles = [(task, task.environment_dir, "") for task in discovery.tasks]
     roles += [
-        (task, task.verifier_build_dir, True)
+        (task, task.verifier_build_dir, VERIFIER)
         for task in discovery.tasks
         if task.verifier_build_dir is not None
     ]
+    for task in discovery.tasks:
+        roles += [(task, folder, service) for service, folder in _compose_contexts(task, plan)]
     places = [(task.rel, folder, given) for task, folder, _ in roles]
     if jobs > 1 and len(places) >= _PARALLEL_HASH_MIN:
         chunk = max(1, len(places) // (jobs * 8))
@@ -230,11 +242,14 @@ def plan_build(
     else:
         digests = FileDigests()
         contexts = [_task_context(place, digests) for place in places]
-    plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
-    for (task, folder, verifier), step in zip(roles, contexts, strict=True):
+    for (task, folder, role), step in zip(roles, contexts, strict=True):
         if step.value is None:
-            errors = plan.verifier_errors if verifier else plan.task_errors
-            errors[task.rel] = step.reason
+            if role == VERIFIER:
+                plan.verifier_errors[task.rel] = step.reason
+            elif role:
+                plan.compose[task.rel] = f"service {role!r}: {step.reason}"
+            else:
+                plan.task_errors[task.rel] = step.reason
             continue
         key, used = step.value
         image = plan.images.get(key)
@@ -242,13 +257,13 @@ def plan_build(
             name, tag = image_name(key)
             image = PlannedImage(key, target.child(name, tag), folder, build_args=used)
             plan.images[key] = image
-        (image.verifier_tasks if verifier else image.tasks).append(task.rel)
+        if role == VERIFIER:
+            image.verifier_tasks.append(task.rel)
+        elif role:
+            image.services.append((task.rel, role))
+        else:
+            image.tasks.append(task.rel)
     for task in discovery.tasks:
-        if compose_file(task.environment_dir) is not None:
-            try:
-                load_compose(task.environment_dir)
-            except UnsupportedCompose as exc:
-                plan.compose[task.rel] = str(exc)
         if not task.separate_verifier or task.verifier_build_dir is not None:
             continue
         if task.verifier_docker_image:
@@ -259,6 +274,27 @@ def plan_build(
                 "services cannot run under Apptainer; give it a tests/Dockerfile"
             )
     return plan
+
+
+def _compose_contexts(task: Task, plan: BuildPlan) -> list[tuple[str, Path]]:
+    """The task's compose services' `build:` contexts, (service, folder); their `image:`
+    references into `plan.service_references`, and what cannot run into `plan.compose`."""
+    if compose_file(task.environment_dir) is None:
+        return []
+    try:
+        compose = load_compose(task.environment_dir)
+    except UnsupportedCompose as exc:
+        plan.compose[task.rel] = str(exc)
+        return []
+    assert compose is not None
+    contexts = []
+    for service in compose.services:
+        # A context wins over an `image:` (which `rewrite` sets to what the context built).
+        if service.build is not None:
+            contexts.append((service.name, service.build))
+        elif service.image:
+            plan.service_references.setdefault(task.rel, {})[service.name] = service.image
+    return contexts
 
 
 # One cache per hashing worker process, fresh for each plan: a cache outliving the files it
@@ -471,7 +507,9 @@ def _record_plan(plan: BuildPlan, manifest_path: Path, destination: str) -> None
         for key, record in list(manifest.images.items()):
             record.tasks = [task for task in record.tasks if task not in planned]
             record.verifier_tasks = [t for t in record.verifier_tasks if t not in planned]
-            if not record.tasks and not record.verifier_tasks and key not in plan.images:
+            record.services = [pair for pair in record.services if pair[0] not in planned]
+            unused = not (record.tasks or record.verifier_tasks or record.services)
+            if unused and key not in plan.images:
                 del manifest.images[key]
         for task in planned:  # each planned task's verifier is set afresh below
             manifest.tasks[task] = TaskRecord(None)
@@ -482,21 +520,31 @@ def _record_plan(plan: BuildPlan, manifest_path: Path, destination: str) -> None
             record.build_args = image.build_args
             record.tasks = sorted({*record.tasks, *image.tasks})
             record.verifier_tasks = sorted({*record.verifier_tasks, *image.verifier_tasks})
+            pairs = {(task, service) for task, service in record.services} | set(image.services)
+            record.services = [[task, service] for task, service in sorted(pairs)]
             manifest.set_image(key, record)
         for task, error in plan.verifier_errors.items():
-            manifest.tasks[task].verifier = VerifierRecord(None, None, error)
+            manifest.tasks[task].verifier = RoleImage(None, None, error)
         for task, reference in plan.verifier_references.items():
-            manifest.tasks[task].verifier = _author_reference(reference, recorded.get(task))
+            manifest.tasks[task].verifier = _author_reference(reference, recorded.get(task), None)
+        for task, services in plan.service_references.items():
+            for service, reference in services.items():
+                manifest.tasks[task].services[service] = _author_reference(
+                    reference, recorded.get(task), service
+                )
 
 
-def _author_reference(reference: str, recorded: TaskRecord | None) -> VerifierRecord:
-    """The verifier record of an author's `[verifier.environment] docker_image`, keeping the
-    recorded reference and .sif when the task now names that .sif (`rewrite --sif` ran)."""
-    before = recorded.verifier if recorded else None
+def _author_reference(
+    reference: str, recorded: TaskRecord | None, service: str | None
+) -> RoleImage:
+    """The record of an author's `[verifier.environment] docker_image` (`service` None) or a
+    compose service's `image:`, keeping the recorded reference and .sif when the task now names
+    that .sif (`rewrite --sif` ran)."""
+    before = recorded.role(service) if recorded else None
     kept = before is not None and before.context is None and before.image is not None
     if before is not None and kept and reference in (before.image, before.sif):
-        return VerifierRecord(None, before.image, None, before.sif)
-    return VerifierRecord(None, reference)
+        return RoleImage(None, before.image, None, before.sif)
+    return RoleImage(None, reference)
 
 
 def build_logs(manifest_path: Path) -> Path:
@@ -535,6 +583,7 @@ class _Worker:
         with update_manifest(self.manifest_path) as manifest:
             current = manifest.images.get(image.context, record)
             record.tasks, record.verifier_tasks = current.tasks, current.verifier_tasks
+            record.services = current.services
             if self.builder.kind is not BuilderKind.APPTAINER:
                 # `convert` may have recorded a .sif meanwhile; a store build records its own.
                 record.sif = current.sif or record.sif

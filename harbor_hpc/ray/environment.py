@@ -213,8 +213,8 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         # The log folders are on the container's node, not mounted from here: Harbor copies them.
         # The node enforces a network policy, or its environment refuses to start, naming why.
         # GPUs are not reserved on Ray nodes (a placement group holds CPUs and memory only).
-        # Compose services: not relayed (per-service operations stay on the node), not declared.
-        return environment_capabilities(mounted=False, egress=True, gpus=False, compose=False)
+        # Compose services run as a pod on the node; their operations are relayed there.
+        return environment_capabilities(mounted=False, egress=True, gpus=False)
 
     @override
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
@@ -422,11 +422,15 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             chunk = following
         await self._call(self._host.upload.remote(self._id, transfer, chunk, target, is_dir))
 
-    async def _receive(self, source: str, is_dir: bool, into: IO[bytes]) -> None:
+    async def _receive(
+        self, source: str, is_dir: bool, into: IO[bytes], service: str | None = None
+    ) -> None:
         if self._host is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
         transfer = self._transfer_id()
-        chunk = await self._call(self._host.download.remote(self._id, transfer, source, is_dir))
+        chunk = await self._call(
+            self._host.download.remote(self._id, transfer, source, is_dir, service)
+        )
         offset = 0
         while True:
             await asyncio.to_thread(into.write, chunk)
@@ -449,17 +453,57 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
 
     @override
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        target = Path(target_path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with target.open("wb") as into:
-            await self._receive(source_path, False, into)
+        await self.service_download_file(source_path, target_path)
 
     @override
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        await self.service_download_dir(source_dir, target_dir)
+
+    # -- compose services (Harbor's per-service operations, on the node's pod) ----------------
+
+    @override
+    async def service_exec(
+        self,
+        command: str,
+        *,
+        service: str | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        if service is None or self.is_main_service(service):
+            return await self.exec(command, cwd=cwd, env=env, timeout_sec=timeout_sec, user=user)
+        if self._host is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        # As Harbor's compose providers: a service's exec takes nothing of main's defaults.
+        request = ExecRequest(self._id, command, cwd, env, timeout_sec, user, service)
+        stdout, stderr, code = await self._call(self._host.exec.remote(request), timeout_sec)
+        return ExecResult(stdout=stdout, stderr=stderr, return_code=code)
+
+    @override
+    async def service_download_file(
+        self, source_path: str, target_path: Path | str, *, service: str | None = None
+    ) -> None:
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with target.open("wb") as into:
+            await self._receive(source_path, False, into, service)
+
+    @override
+    async def service_download_dir(
+        self, source_dir: str, target_dir: Path | str, *, service: str | None = None
+    ) -> None:
         with tempfile.TemporaryFile() as archive:
-            await self._receive(source_dir, True, archive)
+            await self._receive(source_dir, True, archive, service)
             archive.seek(0)
             await asyncio.to_thread(unpack, archive, Path(target_dir))
+
+    @override
+    async def stop_service(self, service: str) -> None:
+        if self._host is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        await self._call(self._host.stop_service.remote(self._id, service))
 
     # -- stop ---------------------------------------------------------------------------
 

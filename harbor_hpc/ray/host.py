@@ -56,6 +56,8 @@ class ExecRequest(NamedTuple):
     env: dict[str, str] | None
     timeout_sec: int | None
     user: str | int | None
+    # A compose service of the environment's pod; None: its main container.
+    service: str | None = None
 
 
 def pack(source: Path, archive: BinaryIO) -> None:
@@ -119,8 +121,18 @@ class EnvironmentHost:
         await self._environment(env_id).set_network_policy(policy)
 
     async def exec(self, request: ExecRequest) -> tuple[str | None, str | None, int]:
-        result = await self._environment(request.env_id).exec(*request[1:])
+        result = await self._environment(request.env_id).service_exec(
+            request.command,
+            service=request.service,
+            cwd=request.cwd,
+            env=request.env,
+            timeout_sec=request.timeout_sec,
+            user=request.user,
+        )
         return result.stdout, result.stderr, result.return_code
+
+    async def stop_service(self, env_id: str, service: str) -> None:
+        await self._environment(env_id).stop_service(service)
 
     def _transfer(self, transfer_id: str) -> Path:
         return self._dir / f"{transfer_id}.part"
@@ -149,21 +161,23 @@ class EnvironmentHost:
             part.unlink(missing_ok=True)
             shutil.rmtree(staged, ignore_errors=True)
 
-    async def download(self, env_id: str, transfer_id: str, source: str, is_dir: bool) -> bytes:
-        """Take `source` out of the container; its first chunk (a folder as a tar), and the
-        rest through `take` until a chunk comes back short."""
+    async def download(
+        self, env_id: str, transfer_id: str, source: str, is_dir: bool, service: str | None
+    ) -> bytes:
+        """Take `source` out of the container (or the pod's compose `service`); its first chunk
+        (a folder as a tar), and the rest through `take` until a chunk comes back short."""
         environment = self._environment(env_id)
         part = self._transfer(transfer_id)
         if is_dir:
             staged = self._dir / transfer_id
             try:
-                await environment.download_dir(source, staged)
+                await environment.service_download_dir(source, staged, service=service)
                 with part.open("wb") as archive:
                     await asyncio.to_thread(pack, staged, archive)
             finally:
                 shutil.rmtree(staged, ignore_errors=True)
         else:
-            await environment.download_file(source, part)
+            await environment.service_download_file(source, part, service=service)
         return await self.take(transfer_id, 0)
 
     async def take(self, transfer_id: str, offset: int) -> bytes:

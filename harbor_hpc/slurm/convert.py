@@ -1,7 +1,8 @@
 """Convert every image of a manifest into the .sif store: here, in parallel, or on Slurm nodes.
 
-Every image means the tasks' own images, the images built for separate verifiers, and the
-references task authors set in `[verifier.environment] docker_image` (recorded per task).
+Every image means the tasks' own images, the images built for separate verifiers and compose
+services, and the references task authors set in `[verifier.environment] docker_image` and in
+their compose services' `image:` (recorded per task).
 
 Images already in the store cost two `stat` calls each, so a rerun does only what is left; with
 `verify`, each is hashed and compared with the sha256 recorded when it was converted, and one
@@ -33,7 +34,7 @@ from harbor_hpc.slurm.cluster import Executor, JobRequest
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
     Manifest,
-    VerifierRecord,
+    RoleImage,
     load_manifest,
     update_manifest,
 )
@@ -68,8 +69,9 @@ class ImageConversion:
     source: str  # what the store converts (`docker-daemon://...` for local images)
     keys: list[str]  # manifest image entries that are this image
     tasks: list[str]
-    # Tasks whose author set this image as their verifier's (its .sif is recorded per task).
-    verifier_of: list[str] = field(default_factory=list)
+    # (task, compose service, or None for its verifier) whose author named this image (its
+    # .sif is recorded per task).
+    named_by: list[tuple[str, str | None]] = field(default_factory=list)
     sif: Path | None = None
     state: ConversionState = ConversionState.TO_CONVERT
     error: str | None = None
@@ -287,7 +289,7 @@ def plan_conversions(
         if known is not None:  # two build contexts (or references) that are the very same image
             known.keys.extend(conversion.keys)
             known.tasks.extend(t for t in conversion.tasks if t not in known.tasks)
-            known.verifier_of.extend(conversion.verifier_of)
+            known.named_by.extend(conversion.named_by)
             continue
         conversion.sif = sif
         if not force and is_ready(sif):
@@ -297,21 +299,20 @@ def plan_conversions(
 
 
 def _author_references(manifest: Manifest) -> list[ImageConversion]:
-    """One conversion per reference that task authors set for their verifiers; always from the
-    registry, since nothing here built them."""
-    tasks: dict[str, list[str]] = {}
-    for task, record in sorted(manifest.tasks.items()):
-        verifier = record.verifier
-        if verifier is not None and verifier.context is None and verifier.image:
-            tasks.setdefault(verifier.image, []).append(task)
+    """One conversion per reference that task authors set for their verifiers and compose
+    services; always from the registry, since nothing here built them."""
+    roles: dict[str, list[tuple[str, str | None]]] = {}
+    for task, service, role in manifest.author_images():
+        assert role.image is not None
+        roles.setdefault(role.image, []).append((task, service))
     return [
-        ImageConversion(image, image, [], users, verifier_of=list(users))
-        for image, users in tasks.items()
+        ImageConversion(image, image, [], sorted({task for task, _ in named}), named_by=named)
+        for image, named in roles.items()
     ]
 
 
 def _conversion_for(record: ImageRecord, key: str, source: Source) -> ImageConversion:
-    users = sorted({*record.tasks, *record.verifier_tasks})
+    users = sorted({*record.tasks, *record.verifier_tasks, *(pair[0] for pair in record.services)})
     if record.sif_sha256 and record.sif:  # built into the store (`build --builder apptainer`)
         conversion = ImageConversion(record.sif, record.sif, [key], users)
     elif source is Source.DOCKER_DAEMON:
@@ -370,42 +371,45 @@ def run_conversions(
 
 def _record(manifest_path: Path, conversions: list[ImageConversion]) -> None:
     """Write the .sif of each good conversion into the manifest (skipped when already there):
-    into its image entries, and for an author's verifier reference into those tasks' records."""
+    into its image entries, and for an author's reference into those tasks' records."""
     good = [c for c in conversions if c.ok and c.sif is not None]
     wanted = {key: str(c.sif) for c in good for key in c.keys}
-    verifiers = {(task, c.image): str(c.sif) for c in good for task in c.verifier_of}
-    if not (wanted or verifiers) or _already_recorded(
-        load_manifest(manifest_path), wanted, verifiers
-    ):
+    named = {(*role, c.image): str(c.sif) for c in good for role in c.named_by}
+    if not (wanted or named) or _already_recorded(load_manifest(manifest_path), wanted, named):
         return
     with update_manifest(manifest_path) as manifest:
         for key, sif in wanted.items():
             if key in manifest.images:
                 manifest.images[key].sif = sif
-        for (task, image), sif in verifiers.items():
-            verifier = _author_verifier(manifest, task, image)
-            if verifier is not None:
-                verifier.sif = sif
+        for (task, service, image), sif in named.items():
+            role = _author_role(manifest, task, service, image)
+            if role is not None:
+                role.sif = sif
 
 
-def _author_verifier(manifest: Manifest, task: str, image: str) -> VerifierRecord | None:
-    """The task's verifier record while it still names the author's `image`."""
+def _author_role(
+    manifest: Manifest, task: str, service: str | None, image: str
+) -> RoleImage | None:
+    """The task's verifier (`service` None) or compose service record while it still names
+    the author's `image`."""
     record = manifest.tasks.get(task)
-    verifier = record.verifier if record else None
-    if verifier is None or verifier.context is not None or verifier.image != image:
+    role = record.role(service) if record else None
+    if role is None or role.context is not None or role.image != image:
         return None
-    return verifier
+    return role
 
 
 def _already_recorded(
-    manifest: Manifest, wanted: dict[str, str], verifiers: dict[tuple[str, str], str]
+    manifest: Manifest,
+    wanted: dict[str, str],
+    named: dict[tuple[str, str | None, str], str],
 ) -> bool:
     images_done = all(
         key not in manifest.images or manifest.images[key].sif == sif for key, sif in wanted.items()
     )
     return images_done and all(
-        (verifier := _author_verifier(manifest, task, image)) is None or verifier.sif == sif
-        for (task, image), sif in verifiers.items()
+        (role := _author_role(manifest, *key)) is None or role.sif == sif
+        for key, sif in named.items()
     )
 
 

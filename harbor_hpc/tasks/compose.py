@@ -70,8 +70,11 @@ SERVICE_KEYS = frozenset(
         "network_mode",
     }
 )
-# What a task's compose may add to `main`, whose image and command are Harbor's.
-MAIN_KEYS = frozenset({"environment", "env_file", "volumes", "depends_on", "networks"})
+# What a task's compose may add to `main`. Its image and command are Harbor's whatever the file
+# says (Harbor's own terminal-bench mapper writes them as `${MAIN_IMAGE_NAME}`, `sleep infinity`).
+MAIN_KEYS = frozenset(
+    {"environment", "env_file", "volumes", "depends_on", "networks", "build", "image", "command"}
+)
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
 _VARIABLE = re.compile(
     r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))"

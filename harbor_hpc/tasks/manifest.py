@@ -4,7 +4,9 @@
 it. Images are keyed by the content hash of their build context, so tasks with the same context
 share one entry. A task whose verifier runs in a container of its own (Harbor's separate
 verifier) also records that image: one built from its tests/ folder (an entry of `images`, like
-any other, listing the task among its `verifier_tasks`), or the reference its author set. The
+any other, listing the task among its `verifier_tasks`), or the reference its author set; so
+does each compose service beside it (an entry of `images` for a `build:` context, listing
+`[task, service]` among its `services`, or the service's `image:` reference). The
 JSON shape is described by `manifests/manifest.schema.json`; manifests written before verifier
 images were recorded read as tasks whose verifier shares their container.
 
@@ -42,6 +44,8 @@ class ImageRecord:
     # build args (`build --build-arg`) it was built with that its Dockerfile declares. Set after
     # construction, so that the constructor's arguments stay the strings they were.
     verifier_tasks: list[str] = field(default_factory=list, init=False)
+    # [task, compose service] pairs whose service runs in this image (built from its context).
+    services: list[list[str]] = field(default_factory=list, init=False)
     build_args: dict[str, str] = field(default_factory=dict, init=False)
     # The sha256 of a .sif `build --builder apptainer` made (`sif`): there is no registry digest.
     sif_sha256: str | None = field(default=None, init=False)
@@ -57,10 +61,10 @@ class ImageRecord:
 
 
 @dataclass
-class VerifierRecord:
-    """The image of a task's separate verifier: built from tests/ (`context` is its key in
-    `images`, whose record holds its .sif), or the author's reference (`context` None; `sif`
-    is where `convert` put it)."""
+class RoleImage:
+    """An image a task uses beside its own, for its separate verifier or a compose service:
+    built here (`context` is its key in `images`, whose record holds its .sif), or the author's
+    reference (`context` None; `sif` is where `convert` put it)."""
 
     context: str | None
     image: str | None = None
@@ -74,7 +78,13 @@ class TaskRecord:
     image: str | None = None
     error: str | None = None
     # None: the verifier runs in the task's own container or image.
-    verifier: VerifierRecord | None = None
+    verifier: RoleImage | None = None
+    # Its compose services' images, by service name.
+    services: dict[str, RoleImage] = field(default_factory=dict)
+
+    def role(self, service: str | None) -> RoleImage | None:
+        """The verifier's image (`service` None) or that compose service's."""
+        return self.verifier if service is None else self.services.get(service)
 
 
 @dataclass
@@ -102,11 +112,25 @@ class Manifest:
         line with it."""
         self.images[context] = image
         for task in image.tasks:
-            verifier = self.tasks[task].verifier if task in self.tasks else None
-            self.tasks[task] = TaskRecord(context, image.reference, image.error, verifier)
+            before = self.tasks.get(task) or TaskRecord(None)
+            self.tasks[task] = TaskRecord(
+                context, image.reference, image.error, before.verifier, before.services
+            )
         for task in image.verifier_tasks:
             record = self.tasks.setdefault(task, TaskRecord(None))
-            record.verifier = VerifierRecord(context, image.reference, image.error)
+            record.verifier = RoleImage(context, image.reference, image.error)
+        for task, service in image.services:
+            record = self.tasks.setdefault(task, TaskRecord(None))
+            record.services[service] = RoleImage(context, image.reference, image.error)
+
+    def author_images(self) -> Iterator[tuple[str, str | None, RoleImage]]:
+        """(task, compose service or None for its verifier, image) for every image a task's
+        author named rather than one built here."""
+        for task, record in sorted(self.tasks.items()):
+            roles = [(None, record.verifier), *sorted(record.services.items())]
+            for service, role in roles:
+                if role is not None and role.context is None and role.image:
+                    yield task, service, role
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,6 +169,7 @@ class Manifest:
                 image_id=entry.optional("image_id", _DIGEST),
             )
             image.verifier_tasks = entry.texts("verifier_tasks", required=False)
+            image.services = entry.pairs("services")
             image.build_args = entry.mapping("build_args")
             if "sif_sha256" in entry.data:
                 image.sif_sha256 = entry.optional("sif_sha256", _DIGEST)
@@ -159,7 +184,11 @@ class Manifest:
                 entry.optional("error"),
                 None
                 if verifier is None
-                else _verifier(entry.child(f"tasks.{key}.verifier", verifier)),
+                else _role_image(entry.child(f"tasks.{key}.verifier", verifier)),
+                {
+                    name: _role_image(entry.child(f"tasks.{key}.services.{name}", value))
+                    for name, value in entry.objects("services", required=False).items()
+                },
             )
         return cls(
             top.text("registry", _NAME),
@@ -170,11 +199,11 @@ class Manifest:
         )
 
 
-def _verifier(entry: _Entry) -> VerifierRecord:
+def _role_image(entry: _Entry) -> RoleImage:
     context = entry.optional("context")
     # A built image's reference is pinned; an author's is theirs, whatever form it takes.
     image = entry.optional("image", _PINNED if context is not None else _REFERENCE)
-    return VerifierRecord(context, image, entry.optional("error"), entry.optional("sif"))
+    return RoleImage(context, image, entry.optional("error"), entry.optional("sif"))
 
 
 class _Format(NamedTuple):
@@ -230,8 +259,18 @@ class _Entry:
             raise self._bad(self._at(key), value, "an object of strings")
         return dict(value)
 
-    def objects(self, key: str) -> dict[str, Any]:
-        value = self._get(key)
+    def pairs(self, key: str) -> list[list[str]]:
+        """An optional list of [string, string] (absent: empty)."""
+        value = self.data.get(key, [])
+        if not isinstance(value, list) or not all(
+            isinstance(item, list) and len(item) == 2 and all(isinstance(s, str) for s in item)
+            for item in value
+        ):
+            raise self._bad(self._at(key), value, "a list of [task, service] pairs")
+        return [list(item) for item in value]
+
+    def objects(self, key: str, *, required: bool = True) -> dict[str, Any]:
+        value = self._get(key) if required else self.data.get(key, {})
         if not isinstance(value, dict):
             raise self._bad(self._at(key), value, "an object")
         return value

@@ -1,5 +1,6 @@
 """`rewrite`: point each task's `[environment].docker_image` at its pinned image (or its .sif),
-and a separate verifier's `[verifier.environment].docker_image` at its own.
+a separate verifier's `[verifier.environment].docker_image` at its own, and each compose
+service's `image:` in the task's compose file at its own (`set_service_image`).
 
 Only that value changes: every other byte of task.toml (comments, order, spacing) stays. A
 plain `docker_image = "..."` line (nearly every task) is edited in place as text; anything else
@@ -14,12 +15,17 @@ user made read-only is left alone and named: the atomic rename would otherwise g
 A task in separate verifier mode without a `[verifier.environment]` table gets one: Harbor then
 gives its verifier a copy of `[environment]` (resources, network, env), so the new table starts as
 that copy (its docker_image aside), and the verifier keeps the same settings with its image named.
+
+In a compose file only the service's `image:` line changes (added under the service's name where
+it has none: a `build:` beside it stays, as Docker Compose then names what it builds); the file
+read back must equal the original with just that value changed, or the task is named instead.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import json
 import os
 import re
 import stat
@@ -31,10 +37,12 @@ from typing import Any
 
 import tomlkit
 import tomlkit.exceptions
+import yaml
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import atomic_write_bytes
 from harbor_hpc.core.steps import Step, done, skipped
+from harbor_hpc.tasks.compose import compose_file
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, load_manifest
 
@@ -92,45 +100,57 @@ def rewrite_tasks(
             hint="pass the tasks folder that was built (task names are paths relative to it)",
         )
     result = RewriteResult(dry_run, problems=list(discovery.problems))
-    edits: list[tuple[Task, str, str | None]] = []
+    edits: list[tuple[Task, str, str | None, dict[str, str]]] = []
     for task in discovery.tasks:
         target = _target(manifest, task.rel, sif=sif)
         verifier = _verifier_target(manifest, task.rel, sif=sif)
         verifier_image = verifier.value if verifier else None
+        services = _service_targets(manifest, task.rel, sif=sif)
         if target.value is None:
             result.skipped[task.rel] = target.reason
         elif verifier is not None and verifier_image is None:
             result.skipped[task.rel] = "verifier image: " + verifier.reason
-        elif task.docker_image == target.value and verifier_image in (
-            None,
-            task.verifier_docker_image,
+        elif services.value is None:
+            result.skipped[task.rel] = services.reason
+        elif (
+            task.docker_image == target.value
+            and verifier_image in (None, task.verifier_docker_image)
+            and not services.value
         ):
             result.unchanged.append(task.rel)
-        elif _read_only(task.task_toml):
-            result.skipped[task.rel] = (
-                f"{task.task_toml}: read-only: chmod u+w it to let rewrite change it"
-            )
         else:
-            edits.append((task, target.value, verifier_image))
+            edits.append((task, target.value, verifier_image, services.value))
 
-    def edit(item: tuple[Task, str, str | None]) -> _Edit | TaskProblem:
-        task, target, verifier = item
+    def edit(item: tuple[Task, str, str | None, dict[str, str]]) -> _Edit | TaskProblem:
+        task, target, verifier, services = item
+        where = task.task_toml
         try:
             # A symlink's target is what changes: the link stays, pointing at the edited file.
-            path = task.task_toml.resolve(strict=True)
+            path = where.resolve(strict=True)
             old = path.read_bytes().decode()  # bytes as they are: no newline translation
             new = set_docker_image(old, target)
             if verifier is not None and verifier != task.verifier_docker_image:
                 new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
-            return _Edit(task, path, old, new)
+            files = [(path, old, new)]
+            compose = compose_file(task.environment_dir)
+            if services and compose is not None:
+                where = compose
+                path = compose.resolve(strict=True)
+                old = path.read_bytes().decode()
+                new = old
+                for service, image in sorted(services.items()):
+                    new = set_service_image(new, service, image)
+                files.append((path, old, new))
+            return _Edit(task, [(p, a, b) for p, a, b in files if a != b])
         except (OSError, ValueError) as exc:
-            return TaskProblem(task.task_toml, f"not rewritten: {exc}")
+            return TaskProblem(where, f"not rewritten: {exc}")
 
     def write(change: _Edit) -> TaskProblem | None:
-        try:
-            atomic_write_bytes(change.path, change.new.encode())
-        except OSError as exc:  # the folder not writable, a full disk: this task only
-            return TaskProblem(change.task.task_toml, f"not written: {exc.strerror or exc}")
+        for path, _, new in change.files:
+            try:
+                atomic_write_bytes(path, new.encode())
+            except OSError as exc:  # the folder not writable, a full disk: this task only
+                return TaskProblem(path, f"not written: {exc.strerror or exc}")
         return None
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -138,6 +158,12 @@ def rewrite_tasks(
         for outcome in pool.map(edit, edits):
             if isinstance(outcome, TaskProblem):
                 result.problems.append(outcome)
+            elif not outcome.files:
+                result.unchanged.append(outcome.task.rel)
+            elif locked := [path for path, _, _ in outcome.files if _read_only(path)]:
+                result.skipped[outcome.task.rel] = (
+                    f"{locked[0]}: read-only: chmod u+w it to let rewrite change it"
+                )
             else:
                 changes.append(outcome)
         written: list[TaskProblem | None] = (
@@ -149,17 +175,19 @@ def rewrite_tasks(
             continue
         result.changed.append(change.task.rel)
         if dry_run:
-            result.diffs[change.task.rel] = unified_diff(change.task, change.old, change.new)
+            result.diffs[change.task.rel] = "".join(
+                unified_diff(change.task, path, old, new) for path, old, new in change.files
+            )
+    result.unchanged.sort()
     return result
 
 
 @dataclass(frozen=True)
 class _Edit:
     task: Task
-    # Where the new text goes: task.toml, or the file it links to.
-    path: Path
-    old: str
-    new: str
+    # (where the new text goes: task.toml or the compose file, or the file it links to; the
+    # old text; the new), for each file that changes.
+    files: list[tuple[Path, str, str]]
 
 
 def _read_only(path: Path) -> bool:
@@ -201,6 +229,29 @@ def _verifier_target(manifest: Manifest, task: str, *, sif: bool) -> Step[str] |
     if sif:  # the author's reference
         return done(verifier.sif) if verifier.sif else skipped(_NO_SIF)
     return done(verifier.image)
+
+
+def _service_targets(manifest: Manifest, task: str, *, sif: bool) -> Step[dict[str, str]]:
+    """The `image:` for each of the task's compose services the manifest records, or why the
+    task is skipped."""
+    record = manifest.tasks.get(task)
+    targets: dict[str, str] = {}
+    for service, role in sorted((record.services if record else {}).items()):
+        target: Step[str]
+        if role.error:
+            target = skipped(role.error)
+        elif role.context is not None:
+            target = _image_target(manifest.images.get(role.context), sif=sif)
+        elif role.image is None:
+            target = skipped(_NO_IMAGE)
+        elif sif:  # the author's reference
+            target = done(role.sif) if role.sif else skipped(_NO_SIF)
+        else:
+            target = done(role.image)
+        if target.value is None:
+            return skipped(f"compose service {service!r} image: {target.reason}")
+        targets[service] = target.value
+    return done(targets)
 
 
 def _image_target(image: ImageRecord | None, *, sif: bool) -> Step[str]:
@@ -309,8 +360,67 @@ def _parses_to(text: str, expected: dict[str, Any]) -> bool:
         return False
 
 
-def unified_diff(task: Task, old: str, new: str) -> str:
-    name = f"{task.rel}/task.toml"
+_SERVICES = re.compile(r"^services[ \t]*:[ \t]*(?:#.*)?$", re.M)
+
+
+def set_service_image(text: str, service: str, value: str) -> str:
+    """`text` (a compose file) with the service's `image:` set to `value`, all else byte for
+    byte (block style, as compose files are written; anything else is a ValueError)."""
+    expected = yaml.safe_load(text)
+    try:
+        if expected["services"][service].get("image") == value:
+            return text
+        expected["services"][service]["image"] = value
+    except (TypeError, KeyError, AttributeError):
+        raise ValueError(f"no service {service!r} to set the image of") from None
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if _SERVICES.match(line.rstrip("\r\n"))), None)
+    edited = None
+    if start is not None:
+        edited = _set_in_block(lines, start, service, json.dumps(value))  # YAML reads JSON strings
+    if edited is None or yaml.safe_load(edited) != expected:
+        raise ValueError(f"cannot set service {service!r}'s image in place; edit it by hand")
+    return edited
+
+
+def _set_in_block(lines: list[str], start: int, service: str, quoted: str) -> str | None:
+    """Set `image:` in the block of `service` under the `services:` line `start`."""
+    header = re.compile(rf"^([ \t]+){re.escape(service)}[ \t]*:[ \t]*(?:#.*)?$")
+    services_indent = None
+    for index in range(start + 1, len(lines)):
+        line = lines[index].rstrip("\r\n")
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line[0].isspace():
+            return None  # the next top-level key: no such service
+        depth = len(line) - len(line.lstrip())
+        services_indent = services_indent or depth
+        found = header.match(line)
+        if found is None or depth != services_indent:
+            continue  # not a service's name (a key deeper in another service, say)
+        indent = len(found.group(1))
+        ending = lines[index][len(line) :] or "\n"
+        child = None
+        for inner in range(index + 1, len(lines)):
+            body = lines[inner].rstrip("\r\n")
+            if not body.strip() or body.lstrip().startswith("#"):
+                continue
+            depth = len(body) - len(body.lstrip())
+            if depth <= indent:
+                break
+            child = child or depth
+            image = re.match(rf"^([ \t]{{{child}}}image[ \t]*:[ \t]*)(.*?)([ \t]*(?:#.*)?)$", body)
+            if depth == child and image is not None:
+                rest = lines[inner][len(body) :]
+                lines[inner] = image.group(1) + quoted + image.group(3) + rest
+                return "".join(lines)
+        lines.insert(index + 1, f"{' ' * (child or indent + 2)}image: {quoted}{ending}")
+        return "".join(lines)
+    return None
+
+
+def unified_diff(task: Task, path: Path, old: str, new: str) -> str:
+    name = f"{task.rel}/{'task.toml' if path.name == 'task.toml' else 'environment/' + path.name}"
     lines = difflib.unified_diff(
         old.splitlines(keepends=True), new.splitlines(keepends=True), f"a/{name}", f"b/{name}"
     )

@@ -16,6 +16,7 @@ import pytest
 from harbor_hpc.apptainer.errors import MemoryLimitExceeded, UnsupportedTask
 from harbor_hpc.tasks.compose import Healthcheck, UnsupportedCompose, Volume, load_compose
 from tests.apptainer.test_environment import ENVIRONMENT, HARBOR, make_environment, reward
+from tests.support.cli import cli
 from tests.support.sample_tasks import answer_service, make_task
 
 
@@ -83,7 +84,7 @@ services:
             "networks.net.ipv4_address",
         ),
         ("services:\n  db:\n    image: x\n    privileged: true\n", "`privileged`"),
-        ("services:\n  main:\n    image: other\n", "`image` (the main service's)"),
+        ("services:\n  main:\n    entrypoint: [x]\n", "`entrypoint` (the main service's)"),
         ("services:\n  db:\n    image: x\n    depends_on: [cache]\n", "'cache'"),
         (
             "services:\n  a:\n    image: x\n    depends_on: [b]\n"
@@ -277,9 +278,14 @@ def test_a_build_context_service_is_built_into_the_store_and_the_oracle_scores(
 ) -> None:
     """The cookbook's multi-container shape: main waits for `api-server`, built from its own
     context (here FROM the test base image in the registry), healthy; the oracle talks to it
-    by name. The first trial builds the service's image into the store; a second finds it."""
+    by name. The first trial builds the service's image into the store, as `docker compose up`
+    would; then `build` finds it there and records it, `rewrite --sif` points the compose file
+    at it (and the task at its own), and a second trial runs from those .sif files. A third
+    runs the same task as Harbor's terminal-bench mapper writes such a task (the service's
+    `image:` only naming what its `build:` makes): its image is found in the store by context."""
     task = make_task(tmp_path / "tasks", "multi", image=str(debian_sif), kind="solved")
     env_dir = task / "environment"
+    (env_dir / "Dockerfile").write_text(f"FROM {base_image}\n")
     (env_dir / "api-server").mkdir()
     (env_dir / "api-server" / "Dockerfile").write_text(
         f"FROM {base_image}\nWORKDIR /app\nCOPY server.py .\nEXPOSE 5000\n"
@@ -313,8 +319,21 @@ services:
         "names = [i['name'] for i in json.load(u.urlopen('http://api-server:5000/items'))]\n"
         "open('/tmp/answer', 'w').write('42' if 'harbor' in names else '0')\nPY\n"
     )
-    store = tmp_path / "store"
-    for attempt in ("build", "found"):
+    store, manifest = tmp_path / "store", tmp_path / "manifest.json"
+    for attempt in ("first", "rewritten", "terminal-bench"):
+        if attempt == "terminal-bench":
+            write_terminal_bench_compose(env_dir)
+        if attempt == "rewritten":
+            prep = ["--manifest", str(manifest)]
+            for command in (
+                ["build", str(task.parent), "--builder", "apptainer", "--cache-dir", str(store),
+                 "--nohttps", *prep],
+                ["rewrite", str(task.parent), "--sif", *prep],
+            ):  # fmt: skip
+                ran = cli(*command, check=False)
+                assert ran.returncode == 0, ran.stdout + ran.stderr
+            compose = (env_dir / "docker-compose.yaml").read_text()
+            assert f'image: "{store}/env-' in compose, compose
         trials = tmp_path / f"trials-{attempt}"
         done = subprocess.run(
             [HARBOR, "trial", "start", "-p", str(task), "-a", "oracle", "-e", ENVIRONMENT,
@@ -327,8 +346,38 @@ services:
         result = json.loads((trial / "result.json").read_text())
         assert result.get("exception_info") is None, result["exception_info"]
         assert reward(result) == 1.0
+    # The task's own image and the service's: the service's built once.
     built = sorted(path.name for path in store.glob("env-*.sif"))
-    assert len(built) == 1, built
+    assert len(built) == 2, built
+
+
+def write_terminal_bench_compose(env_dir: Path) -> None:
+    """The task's compose file as Harbor's terminal-bench mapper writes it from a
+    terminal-bench task (`client` is the agent's container)."""
+    from harbor.mappers.terminal_bench import DockerComposeProcessor
+
+    original = {
+        "services": {
+            "client": {
+                "build": {"context": ".", "dockerfile": "Dockerfile"},
+                "image": "${T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME}",
+                "command": ["sh", "-c", "sleep infinity"],
+                "depends_on": {"api-server": {"condition": "service_healthy"}},
+            },
+            "api-server": {
+                "build": {"context": "./api-server"},
+                "image": "${T_BENCH_TASK_DOCKER_NAME_PREFIX}__api-server",
+                "container_name": "${T_BENCH_TASK_DOCKER_NAME_PREFIX}__api-server",
+                "healthcheck": {
+                    "test": ["CMD", "python3", "-c", PROBE],
+                    "interval": "1s",
+                    "retries": 30,
+                },
+            },
+        }
+    }
+    processor = DockerComposeProcessor("tb")
+    processor.write_harbor_compose(original, env_dir / "docker-compose.yaml")
 
 
 def test_answer_service_task_reads_as_a_pod(tmp_path: Path) -> None:
@@ -338,3 +387,39 @@ def test_answer_service_task_reads_as_a_pod(tmp_path: Path) -> None:
     compose = load_compose(task / "environment")
     assert compose is not None and compose.names() == ["main", "answers"]
     assert compose.main.depends_on == {"answers": "service_healthy"}
+
+
+def test_a_terminal_bench_task_as_harbors_mapper_writes_it_reads_as_a_pod(tmp_path: Path) -> None:
+    """Harbor's own terminal-bench mapper writes `main` with Harbor's image, command and
+    resources, and keeps the other services as the task had them (an `image:` that only names
+    what `build:` makes, a container_name)."""
+    from harbor.mappers.terminal_bench import DockerComposeProcessor
+
+    (tmp_path / "server").mkdir()
+    (tmp_path / "server" / "Dockerfile").write_text("FROM x\n")
+    original = {
+        "services": {
+            "client": {
+                "build": {"context": ".", "dockerfile": "Dockerfile"},
+                "image": "${T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME}",
+                "container_name": "${T_BENCH_TASK_DOCKER_CLIENT_CONTAINER_NAME}",
+                "command": ["sh", "-c", "sleep infinity"],
+                "environment": ["TEST_DIR=${T_BENCH_TEST_DIR}"],
+                "volumes": ["${T_BENCH_TASK_LOGS_PATH}:${T_BENCH_CONTAINER_LOGS_PATH}"],
+                "depends_on": ["server"],
+            },
+            "server": {
+                "build": {"context": "./server"},
+                "image": "${T_BENCH_TASK_DOCKER_NAME_PREFIX}__server",
+                "container_name": "${T_BENCH_TASK_DOCKER_NAME_PREFIX}__server",
+                "command": ["python3", "-m", "http.server", "8000"],
+            },
+        }
+    }
+    DockerComposeProcessor("tb").write_harbor_compose(original, tmp_path / "docker-compose.yaml")
+    compose = load_compose(tmp_path)
+    assert compose is not None and compose.names() == ["main", "server"]
+    assert compose.main.depends_on == {"server": "service_started"}
+    (server,) = compose.services
+    assert (server.image, server.build) == ("hb__server", (tmp_path / "server").resolve())
+    assert server.command == ("python3", "-m", "http.server", "8000")

@@ -24,7 +24,7 @@ from harbor_hpc.images.build import plan_build
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
     Manifest,
-    VerifierRecord,
+    RoleImage,
     load_manifest,
     save_manifest,
 )
@@ -153,7 +153,7 @@ def _manifest_with_verifiers(root: Path, path: Path) -> Manifest:
     verifier.verifier_tasks, verifier.sif = ["a"], "/store/verifier.sif"
     manifest.set_image("1" * 64, main)
     manifest.set_image("2" * 64, verifier)
-    manifest.tasks["author"].verifier = VerifierRecord(None, "localhost:5000/g/grader:1")
+    manifest.tasks["author"].verifier = RoleImage(None, "localhost:5000/g/grader:1")
     save_manifest(path, manifest)
     return manifest
 
@@ -164,7 +164,7 @@ def test_manifest_records_verifier_images_and_old_manifests_still_read(tmp_path:
     validate_manifest(json.loads(path.read_text()))
     again = load_manifest(path)
     assert again.tasks == manifest.tasks
-    assert again.tasks["a"].verifier == VerifierRecord(
+    assert again.tasks["a"].verifier == RoleImage(
         "2" * 64, f"{again.images['2' * 64].repository}@{DIGEST}"
     )
     assert again.verifier_image_of("a") is not None and again.verifier_image_of("author") is None
@@ -261,7 +261,7 @@ def test_rewrite_points_verifiers_at_their_images_and_sifs(tmp_path: Path) -> No
     skipped = rewrite_tasks(root, path, sif=True)  # the author's reference has no .sif yet
     assert skipped.skipped == {"author": "verifier image: no .sif yet (run `harbor-hpc convert`)"}
     assert verifier_image("a") == "/store/verifier.sif"
-    manifest.tasks["author"].verifier = VerifierRecord(
+    manifest.tasks["author"].verifier = RoleImage(
         None, "localhost:5000/g/grader:1", None, "/store/g.sif"
     )
     save_manifest(path, manifest)
@@ -269,7 +269,7 @@ def test_rewrite_points_verifiers_at_their_images_and_sifs(tmp_path: Path) -> No
     assert verifier_image("author") == "/store/g.sif"
     assert rewrite_tasks(root, path, sif=True).unchanged == ["a", "author"]
 
-    manifest.tasks["a"].verifier = VerifierRecord(None, None, "build failed: RUN exit 3")
+    manifest.tasks["a"].verifier = RoleImage(None, None, "build failed: RUN exit 3")
     save_manifest(path, manifest)
     failed = rewrite_tasks(root, path)
     assert failed.skipped == {"a": "verifier image: build failed: RUN exit 3"}
@@ -372,7 +372,7 @@ def test_separate_verifiers_build_convert_rewrite_and_run_to_reward_one(
     assert sorted(image["verifier_tasks"] for image in json.loads(built.stdout)["images"]) == [0, 1]
     validate_manifest(json.loads(manifest.read_text()))
     recorded = load_manifest(manifest)
-    assert recorded.tasks["author"].verifier == VerifierRecord(None, author_image)
+    assert recorded.tasks["author"].verifier == RoleImage(None, author_image)
 
     submitted_early = cli("submit", str(tasks), "--agent", "oracle", "--run-dir", str(run),
                           "--dry-run", "--json")  # fmt: skip
@@ -402,7 +402,7 @@ def test_separate_verifiers_build_convert_rewrite_and_run_to_reward_one(
     # A rebuild keeps the author's reference (and its .sif) though the task now names the .sif.
     rebuilt = cli("build", str(tasks), "--registry", namespace, "--manifest", str(manifest))
     assert rebuilt.returncode == 0, rebuilt.stderr
-    assert load_manifest(manifest).tasks["author"].verifier == VerifierRecord(
+    assert load_manifest(manifest).tasks["author"].verifier == RoleImage(
         None, author_image, None, str(verifier_sifs["author"])
     )
     again = cli("rewrite", str(tasks), "--manifest", str(manifest), "--sif")

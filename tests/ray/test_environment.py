@@ -24,6 +24,7 @@ from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.ray.host import CHUNK_BYTES
 from tests.ray.conftest import RayCluster
 from tests.support.processes import container_processes
+from tests.support.sample_tasks import answer_service
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -141,6 +142,40 @@ def test_commands_answer_as_in_the_local_environment(
     assert answer["node"] == ray_cluster["address"].rpartition(":")[0]
     # The container's processes are not the driver's: they run under the node's Ray host.
     assert not container_processes(debian_sif)
+
+
+POD = """
+async def main():
+    environment = make("pod", memory_mb=512)
+    await environment.start(False)
+    fetch = ("python3 -c \\"import urllib.request as u; "
+             "print(u.urlopen('http://answers:8000/answer').read().decode().strip())\\"")
+    fetched = await environment.exec(fetch)
+    beside = await environment.service_exec("hostname; id -u; echo $HOME", service="answers")
+    await environment.service_download_file("/srv/answer", FOLDER / "answer", service="answers")
+    await environment.service_download_dir("/srv", FOLDER / "srv", service="answers")
+    await environment.stop_service("answers")
+    gone = await environment.exec(fetch + " 2>&1 | tail -n 1")
+    show(fetched=fetched.stdout, beside=beside.stdout, downloaded=(FOLDER / "answer").read_text(),
+         folder=sorted(p.name for p in (FOLDER / "srv").iterdir()), gone=gone.stdout,
+         compose=environment.capabilities.docker_compose)
+    await environment.stop(True)
+"""
+
+
+def test_a_compose_tasks_services_run_beside_it_on_its_node(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    """The pod runs on the node: the task reaches its service by name, and Harbor's
+    per-service exec, download and stop go to the service there."""
+    (tmp_path / "environment").mkdir()
+    (tmp_path / "environment" / "docker-compose.yaml").write_text(answer_service(str(debian_sif)))
+    (answer,) = lines(drive(POD, debian_sif, tmp_path, ray_cluster["cluster_dir"]))
+    assert answer["compose"] is True
+    assert answer["fetched"] == "42\n"
+    assert answer["beside"].split() == ["answers", "0", "/root"]
+    assert answer["downloaded"] == "42\n" and answer["folder"] == ["answer"]
+    assert "Connection refused" in answer["gone"], answer["gone"]
 
 
 FILES = """

@@ -11,7 +11,14 @@ import pytest
 
 from harbor_hpc.apptainer.store import is_ready
 from harbor_hpc.slurm.convert import plan_conversions
-from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
+from harbor_hpc.tasks.manifest import (
+    ImageRecord,
+    Manifest,
+    RoleImage,
+    TaskRecord,
+    load_manifest,
+    save_manifest,
+)
 from tests.support.fake_slurm import FakeSlurm
 from tests.support.images import Recorder, TinyImage, damage, write_manifest
 
@@ -254,3 +261,22 @@ def _session(process: psutil.Process) -> int | None:
         return os.getsid(process.pid)
     except OSError:
         return None
+
+
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_a_compose_services_image_reference_is_converted_and_recorded_for_its_task(
+    tiny_image: TinyImage, tiny_sif: Path, tmp_path: Path
+) -> None:
+    manifest = tmp_path / "manifest.json"
+    recorded = Manifest("localhost:5000/ns", str(tmp_path))
+    recorded.tasks["pod"] = TaskRecord(None, services={"db": RoleImage(None, tiny_image.open_ref)})
+    save_manifest(manifest, recorded)
+    result = cli(
+        "--manifest", str(manifest), "--cache-dir", str(tiny_sif.parent), "--nohttps", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    (image,) = json.loads(result.stdout)["images"]
+    assert image["tasks"] == ["pod"]
+    assert load_manifest(manifest).tasks["pod"].services["db"].sif == str(tiny_sif)
