@@ -23,12 +23,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer import probes as apptainer
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.probe import Finding, Status, harbor_finding, python_finding
-from harbor_hpc.images.engine import engine_finding
-from harbor_hpc.slurm import probes as slurm
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +169,11 @@ def part_problem(part: str) -> str | None:
 
 def probe_part(part: Part, cache_dir: Path) -> list[Check]:
     """The checks of one part; a probe that breaks becomes a check, never an exception."""
+    # Each layer's probes load when a check runs (`doctor --help` stays quick).
+    from harbor_hpc.apptainer import probes as apptainer
+    from harbor_hpc.images.engine import engine_finding
+    from harbor_hpc.slurm import probes as slurm
+
     probes: dict[Part, Callable[[], list[Finding]]] = {
         Part.APPTAINER: lambda: apptainer.findings(cache_dir),
         Part.SLURM: slurm.findings,

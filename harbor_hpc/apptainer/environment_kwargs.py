@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import inspect
 
+# The environment `submit` runs trials in unless told otherwise, by the import path Harbor takes.
+ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
+
 HARBOR_PASSES = frozenset(
     {
         "environment_dir",

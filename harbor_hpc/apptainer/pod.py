@@ -34,7 +34,7 @@ from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.images.build import ImageFailed, PlannedImage
 from harbor_hpc.images.context import context_hash
 from harbor_hpc.images.reference import Reference
-from harbor_hpc.tasks.compose import Healthcheck, Service
+from harbor_hpc.tasks.compose import Healthcheck, HealthProbe, Service, health_argv
 from harbor_hpc.tasks.manifest import ImageRecord
 
 
@@ -78,6 +78,27 @@ def service_sif(
         raise ImageUnavailable(
             f"{where}: its build context {service.build} could not be built into {store}: {why}"
         ) from exc
+
+
+def image_healthcheck(image: ImageConfig, where: str) -> Healthcheck | None:
+    """The image's HEALTHCHECK (its OCI config's `Healthcheck`, durations in ns), or None."""
+    raw = image.healthcheck
+    if not raw:
+        return None
+    test = raw.get("Test") or []
+    if test == ["NONE"]:
+        return Healthcheck(disabled=True)
+
+    def seconds(key: str) -> float | None:
+        return raw[key] / 1e9 if raw.get(key) else None
+
+    return Healthcheck(
+        health_argv(test, where) if test else None,
+        seconds("Interval"),
+        seconds("Timeout"),
+        raw.get("Retries") or None,
+        seconds("StartPeriod"),
+    )
 
 
 class Sidecar:
@@ -164,8 +185,13 @@ class Sidecar:
         else:
             await self.container.settle()
 
+    def healthcheck(self) -> HealthProbe | None:
+        """The compose file's healthcheck over the image's HEALTHCHECK, as Docker merges them."""
+        image = image_healthcheck(self.container.image, self.container.name)
+        return (self.service.healthcheck or Healthcheck()).over(image)
+
     async def _healthy(self) -> None:
-        check = self.service.healthcheck
+        check = self.healthcheck()
         if check is None:
             self._fail("is waited for as service_healthy but has no healthcheck")
             return
@@ -183,7 +209,7 @@ class Sidecar:
                     self._fail(f"is unhealthy after {failures} healthchecks")
             await asyncio.sleep(check.interval_sec)
 
-    async def _probe(self, check: Healthcheck) -> bool:
+    async def _probe(self, check: HealthProbe) -> bool:
         script = self.container.script(shlex.join(check.test), None, None, self.service.user)
         try:
             output = await self.container.run(script, timeout_sec=max(1, int(check.timeout_sec)))

@@ -47,6 +47,8 @@ class ImageConfig:
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = ""
     user: str = ""
+    # Docker's `Healthcheck` (Test, Interval, Timeout, StartPeriod in ns, Retries), or empty.
+    healthcheck: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ImageConfig:
@@ -61,6 +63,7 @@ class ImageConfig:
             env=env,
             workdir=str(data.get("WorkingDir") or ""),
             user=str(data.get("User") or ""),
+            healthcheck=dict(data.get("Healthcheck") or {}),
         )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from functools import cache
 from importlib.metadata import version
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
 from rich.console import Console
@@ -25,7 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harbor_hpc.core.config import Config, load_config
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.slurm.convert import SlurmOptions
+
+if TYPE_CHECKING:
+    from harbor_hpc.slurm.convert import SlurmOptions
 
 app = typer.Typer(
     name="harbor-hpc",
@@ -109,6 +111,8 @@ def unit_job_options(
 ) -> SlurmOptions:
     """Slurm options for an array job of one element per image or context (`convert --slurm`,
     `build --slurm`): `--time` is per element, never the config's time_min, which sizes trials."""
+    from harbor_hpc.slurm.convert import SlurmOptions
+
     return SlurmOptions(
         partition=config.pick("partition", partition, None),
         account=config.pick("account", account, None),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -28,14 +28,9 @@ from harbor_hpc.cli.app import (
     unit_job_options,
 )
 from harbor_hpc.core.config import cache_dir as default_store
-from harbor_hpc.slurm.convert import (
-    ConversionArray,
-    ConversionState,
-    ConvertReport,
-    ConvertRequest,
-    convert_images,
-    parse_source,
-)
+
+if TYPE_CHECKING:  # the conversion machinery loads when a conversion runs
+    from harbor_hpc.slurm.convert import ConversionArray, ConvertReport
 
 
 @app.command()
@@ -105,6 +100,8 @@ def convert(
 
     Example: harbor-hpc convert --manifest manifest.json --cache-dir /scratch/$USER/sif --slurm
     """
+    from harbor_hpc.slurm.convert import ConvertRequest, convert_images, parse_source
+
     config = setup(verbose)
     request = ConvertRequest(
         manifest=manifest_path(manifest),
@@ -136,6 +133,8 @@ def convert(
 
 
 def _show(report: ConvertReport) -> None:
+    from harbor_hpc.slurm.convert import ConversionState
+
     for conversion in report.images:
         if conversion.state is ConversionState.FAILED:
             console.print(

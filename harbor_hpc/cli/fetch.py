@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.filesize import decimal
@@ -21,7 +21,9 @@ from harbor_hpc.cli.app import (
     setup,
     stdout,
 )
-from harbor_hpc.fetch import FetchPlan, FetchReport, fetch, plan_fetch
+
+if TYPE_CHECKING:
+    from harbor_hpc.fetch import FetchPlan, FetchReport
 
 
 @app.command(name="fetch")
@@ -71,6 +73,8 @@ def fetch_command(
     Example: harbor-hpc fetch nvidia/Nemotron-Terminal-Synthetic-Tasks --dest tasks
     --include 'skill_based/mixed/scientific_computing.tar.gz'
     """
+    from harbor_hpc.fetch import fetch, plan_fetch  # the hub client loads when a fetch runs
+
     setup(verbose)
     patterns = include or []
     if dry_run:

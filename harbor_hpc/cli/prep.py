@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from harbor_hpc.apptainer.builder import ApptainerBuilder
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -34,7 +33,6 @@ from harbor_hpc.core.config import Config
 from harbor_hpc.core.config import cache_dir as default_store
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.images.build import (
-    Builder,
     BuilderKind,
     BuildPreview,
     BuildResult,
@@ -45,13 +43,13 @@ from harbor_hpc.images.build import (
     plan_build,
     run_build,
 )
-from harbor_hpc.images.docker_builder import DockerBuilder
-from harbor_hpc.images.setup_sh import SetupResult, write_setup_scripts
-from harbor_hpc.slurm.build import SlurmBuilder, build_on_slurm
-from harbor_hpc.slurm.convert import ConversionArray
-from harbor_hpc.tasks.discovery import TaskProblem
-from harbor_hpc.tasks.manifest import load_manifest
-from harbor_hpc.tasks.rewrite import RewriteResult, rewrite_tasks
+
+if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
+    from harbor_hpc.images.build import Builder
+    from harbor_hpc.images.setup_sh import SetupResult
+    from harbor_hpc.slurm.convert import ConversionArray
+    from harbor_hpc.tasks.discovery import TaskProblem
+    from harbor_hpc.tasks.rewrite import RewriteResult
 
 TasksArgument = Annotated[
     Path,
@@ -202,6 +200,11 @@ def build(
     workers = config.pick("jobs", jobs, 2)
     plan = plan_build(tasks_dir, target, jobs=workers, build_args=_build_args(config, build_arg))
     _warn_compose(plan.compose)  # on stderr: --json output stays clean
+    from harbor_hpc.apptainer.builder import ApptainerBuilder
+    from harbor_hpc.images.docker_builder import DockerBuilder
+    from harbor_hpc.slurm.build import SlurmBuilder, build_on_slurm
+    from harbor_hpc.tasks.manifest import load_manifest
+
     if dry_run:
         recorded = load_manifest(manifest_file) if manifest_file.exists() else None
         render(BuildPreview(plan, recorded), json=json_output, show=_show_plan)
@@ -350,6 +353,8 @@ def rewrite(
     verbose: VerboseOption = 0,
 ) -> None:
     """Set [environment].docker_image of every task to its pinned image from the manifest."""
+    from harbor_hpc.tasks.rewrite import rewrite_tasks
+
     setup(verbose)
     manifest_file = manifest_path(manifest)
     result = rewrite_tasks(tasks_dir, manifest_file, sif=sif, dry_run=dry_run)
@@ -411,6 +416,8 @@ def setup_sh(
     verbose: VerboseOption = 0,
 ) -> None:
     """Write environment/files/setup.sh into every task that has none."""
+    from harbor_hpc.images.setup_sh import write_setup_scripts
+
     config = setup(verbose)
     wheels_dir = config.pick("wheels_dir", str(wheels) if wheels else None, "")
     result = write_setup_scripts(

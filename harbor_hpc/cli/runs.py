@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.columns import Columns
@@ -16,6 +16,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -33,20 +34,13 @@ from harbor_hpc.cli.app import (
     warn,
 )
 from harbor_hpc.results.classify import AttemptState
-from harbor_hpc.results.export import Export, ExportFormat
-from harbor_hpc.results.status import RunStatus, Summary
-from harbor_hpc.slurm import runs
-from harbor_hpc.slurm.cluster import REQUEUE_WARNING_S
-from harbor_hpc.slurm.resources import Resources
-from harbor_hpc.slurm.runs import follow, run_status
-from harbor_hpc.slurm.submit import (
-    ENVIRONMENT,
-    SubmitOptions,
-    SubmitResult,
-    parse_key_values,
-    resubmit_run,
-    submit_run,
-)
+from harbor_hpc.results.export import ExportFormat
+
+if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
+    from harbor_hpc.results.export import Export
+    from harbor_hpc.results.status import RunStatus, Summary
+    from harbor_hpc.slurm.resources import Resources
+    from harbor_hpc.slurm.submit import SubmitResult
 
 RunDirArgument = Annotated[
     Path,
@@ -197,6 +191,8 @@ def submit(
 
     Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --run-dir runs/oracle --wait
     """
+    from harbor_hpc.slurm.submit import SubmitOptions, parse_key_values, submit_run
+
     config = setup(verbose)
     scratch = config.pick("scratch_dir", None if scratch_dir is None else str(scratch_dir), None)
     options = SubmitOptions(
@@ -243,6 +239,8 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
 
     Example: harbor-hpc status runs/oracle -v
     """
+    from harbor_hpc.slurm.runs import run_status
+
     setup(verbose)
     found = run_status(run_dir)
     render(found, json=json, show=lambda shown: _show_status(shown, verbose=verbose > 0))
@@ -267,6 +265,8 @@ def resubmit(
 
     Example: harbor-hpc resubmit runs/oracle --failed --wait
     """
+    from harbor_hpc.slurm.submit import resubmit_run
+
     setup(verbose)
     result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
     if result.skipped:
@@ -304,6 +304,8 @@ def export(
     Example: harbor-hpc export runs/grpo --out rollouts.jsonl --format nemo-gym
     """
     setup(verbose)
+    from harbor_hpc.slurm import runs
+
     render(runs.export(run_dir, out, fmt=fmt, dry_run=dry_run), json=json, show=_show_export)
 
 
@@ -349,6 +351,8 @@ def _show_submission(result: SubmitResult) -> None:
         for group in result.groups:
             elements = f"{len(group.tasks)} task(s) in {len(group.chunks)} element(s)"
             info(f"  {elements} ({_sizing(group.resources)})")
+    from harbor_hpc.slurm.cluster import REQUEUE_WARNING_S
+
     for group in result.groups:
         warning = group.requeue_warning_s
         if warning is not None and warning < REQUEUE_WARNING_S:
@@ -406,6 +410,8 @@ def _follow(run_dir: Path) -> None:
     """Show the run's counts live until nothing is pending or running; then, when attempts
     failed, which ones by failure class, and exit 1 (every attempt done, whatever its
     reward: 0)."""
+    from harbor_hpc.slurm.runs import follow
+
     with Live(console=console, refresh_per_second=2, transient=True) as live:
         for now in follow(run_dir):
             live.update(_progress_view(now.summary))

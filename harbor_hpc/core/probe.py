@@ -11,21 +11,12 @@ import importlib
 import importlib.metadata
 import os
 import pwd
+import re
 import sys
 from dataclasses import dataclass
 from enum import StrEnum
 
-MIN_HARBOR = (0, 24)
-SIDE_DEPS = (
-    "typer",
-    "rich",
-    "spython",
-    "docker",
-    "tomlkit",
-    "huggingface-hub",
-    "submitit",
-    "psutil",
-)
+MIN_HARBOR = (0, 26)
 _REINSTALL = "`uv sync` in the checkout, or reinstall harbor-hpc"
 
 
@@ -61,7 +52,8 @@ def harbor_finding() -> Finding:
 def python_finding() -> Finding:
     here = f"Python {sys.version.split()[0]} ({sys.executable})"
     absent = []
-    for name in SIDE_DEPS:
+    declared = _declared_dependencies()
+    for name in declared:
         try:
             importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -69,7 +61,22 @@ def python_finding() -> Finding:
     if absent:
         detail = f"{here}; not installed: {', '.join(absent)}"
         return Finding("packages", Status.WARN, detail, _REINSTALL)
-    return Finding("packages", Status.OK, f"{here}; {len(SIDE_DEPS)} dependencies found")
+    return Finding("packages", Status.OK, f"{here}; {len(declared)} dependencies found")
+
+
+def _declared_dependencies() -> list[str]:
+    """The packages harbor-hpc's metadata declares (its extras and Harbor, probed on its own,
+    aside): the list in pyproject.toml, never a copy of it."""
+    try:
+        requirements = importlib.metadata.requires("harbor-hpc") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    names = (
+        re.split(r"[\s<>=!~;\[(]", text, maxsplit=1)[0]
+        for text in requirements
+        if "extra" not in text
+    )
+    return [name for name in names if name.lower() != "harbor"]
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

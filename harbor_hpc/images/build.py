@@ -49,7 +49,6 @@ from harbor_hpc.images import engine
 from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
 from harbor_hpc.images.dockerfile import read_dockerfile
 from harbor_hpc.images.reference import Reference
-from harbor_hpc.tasks.compose import UnsupportedCompose, compose_file, load_compose
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
@@ -279,6 +278,8 @@ def plan_build(
 def _compose_contexts(task: Task, plan: BuildPlan) -> list[tuple[str, Path]]:
     """The task's compose services' `build:` contexts, (service, folder); their `image:`
     references into `plan.service_references`, and what cannot run into `plan.compose`."""
+    from harbor_hpc.tasks.compose import UnsupportedCompose, compose_file, load_compose
+
     if compose_file(task.environment_dir) is None:
         return []
     try:

@@ -25,8 +25,6 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from docker.utils.build import exclude_paths
-
 from harbor_hpc.images.dockerfile import escapes_context, is_glob
 
 DOCKERFILE = "Dockerfile"
@@ -45,6 +43,8 @@ def dockerignore_patterns(context: Path) -> list[str]:
 
 def context_files(context: Path) -> list[str]:
     """Relative paths (files, folders, links) that Docker sends for `context`, sorted."""
+    from docker.utils.build import exclude_paths  # docker-py loads when a context is hashed
+
     return sorted(exclude_paths(str(context), dockerignore_patterns(context), DOCKERFILE))
 
 

@@ -21,8 +21,9 @@ next FROM. A stage built FROM an earlier stage starts from that stage's config a
 
 What cannot be replayed is named with its line (`Stage.problems`): heredocs, RUN flags
 (`--mount`, `--network`, ...), COPY/ADD flags other than --chown/--chmod/--link/--from, remote
-sources, words that do not parse, instructions Docker does not know. HEALTHCHECK and MAINTAINER
-change nothing a task runs and are skipped; ONBUILD is recorded in the config, as Docker does.
+sources, words that do not parse, instructions Docker does not know. MAINTAINER changes nothing
+a task runs and is skipped; ONBUILD and HEALTHCHECK (which a compose service waited for as
+`service_healthy` runs) are recorded in the config, as Docker does.
 """
 
 from __future__ import annotations
@@ -45,7 +46,17 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A heredoc opener (`<<EOF`, `<<-"EOF"`), not a here-string (`<<<`); as BuildKit, no space.
 _HEREDOC = re.compile(r"(?<!<)<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
 _KNOWN_COPY_FLAGS = ("--chown", "--chmod", "--link", "--from")
-_SKIPPED = ("HEALTHCHECK", "MAINTAINER")
+_SKIPPED = ("MAINTAINER",)
+# HEALTHCHECK's options, as Docker records them in the config (nanoseconds, a count).
+_HEALTH_OPTIONS = {
+    "interval": "Interval",
+    "timeout": "Timeout",
+    "start-period": "StartPeriod",
+    "start-interval": "StartInterval",
+    "retries": "Retries",
+}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|ms|s|m|h)")
+_NANOSECONDS = {"ns": 1, "us": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9}
 _COPIES = ("COPY", "ADD")
 
 
@@ -515,6 +526,8 @@ class _Reader:
             config["StopSignal"] = self.words().one(rest)
         elif keyword == "ONBUILD":
             config["OnBuild"] = [*(config.get("OnBuild") or []), rest]
+        elif keyword == "HEALTHCHECK":
+            config["Healthcheck"] = self._healthcheck(rest)
         elif keyword not in _SKIPPED:
             self._problem(line, f"{keyword}: not a Dockerfile instruction")
 
@@ -538,6 +551,33 @@ class _Reader:
                 str(self.stage.config.get("User") or ""),
             )
         )
+
+    def _healthcheck(self, rest: str) -> dict[str, Any]:
+        """`HEALTHCHECK [--interval=D ...] CMD command` or `HEALTHCHECK NONE`, as Docker records
+        it: `Test` is ["NONE"], ["CMD", argv...] (the exec form) or ["CMD-SHELL", text]."""
+        check: dict[str, Any] = {}
+        words = rest.split(None, 1)
+        while words and words[0].startswith("--"):
+            name, _, value = words[0][2:].partition("=")
+            if name not in _HEALTH_OPTIONS or not value:
+                raise DockerfileError(f"HEALTHCHECK option {words[0]!r} is not one Docker knows")
+            if name == "retries":
+                check["Retries"] = int(value)
+            else:
+                parts = _DURATION.findall(value)
+                if "".join(a + b for a, b in parts) != value:
+                    raise DockerfileError(f"HEALTHCHECK --{name}={value}: not a duration")
+                check[_HEALTH_OPTIONS[name]] = sum(
+                    int(float(amount) * _NANOSECONDS[unit]) for amount, unit in parts
+                )
+            words = words[1].split(None, 1) if len(words) > 1 else []
+        if words and words[0].upper() == "NONE":
+            return {"Test": ["NONE"]}
+        if not words or words[0].upper() != "CMD" or len(words) < 2:
+            raise DockerfileError("HEALTHCHECK takes NONE, or CMD and a command")
+        exec_form = _json_list(words[1])
+        check["Test"] = ["CMD", *exec_form] if exec_form is not None else ["CMD-SHELL", words[1]]
+        return check
 
     def _command(self, rest: str) -> list[str]:
         """A RUN/CMD/ENTRYPOINT's argv: the exec form as written, else SHELL plus the text (the

@@ -31,7 +31,6 @@ from typing import Any
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_json, atomic_write_text, read_json
 from harbor_hpc.ray.node import address_file, use_token
-from harbor_hpc.slurm import cluster as slurm
 
 INSTALL_HINT = (
     "install the extra: pip install 'harbor-hpc[ray]' (in a checkout: uv sync --extra ray)"
@@ -219,6 +218,8 @@ def up(
 ) -> RayCluster:
     """Start a cluster and return once all its nodes joined; `say` hears the job id and log
     as soon as Slurm took the job, and why it pends while it does."""
+    from harbor_hpc.slurm import cluster as slurm  # submitit loads when Slurm is asked
+
     modules = _ray_modules(cluster_dir)
     if options.token_file is not None and not options.join:
         raise InputError("--token-file goes with --join (a cluster of its own makes its token)")
@@ -317,6 +318,8 @@ class _JobWatch:
         return "is the partition busy (`squeue`)? a longer --wait-timeout waits for it"
 
     def queued(self) -> bool:
+        from harbor_hpc.slurm import cluster as slurm  # submitit loads when Slurm is asked
+
         status = slurm.job_status(self.job_id)
         if status is None:
             return False
@@ -425,6 +428,8 @@ def _resources(resources: Any) -> dict[str, float]:
 
 def status(cluster_dir: Path) -> RayStatus:
     """The cluster's job state and, while it runs, its nodes and their free resources."""
+    from harbor_hpc.slurm import cluster as slurm  # submitit loads when Slurm is asked
+
     cluster = load(cluster_dir)
     state = slurm.job_state(cluster.job_id)
     nodes = _nodes(cluster, _ray_modules(cluster_dir)) if state == "RUNNING" else []
@@ -433,6 +438,8 @@ def status(cluster_dir: Path) -> RayStatus:
 
 def down(cluster_dir: Path) -> RayDown:
     """Cancel the cluster's job and forget it; its token goes with it."""
+    from harbor_hpc.slurm import cluster as slurm  # submitit loads when Slurm is asked
+
     cluster = load(cluster_dir)
     slurm.cancel(cluster.job_id)
     _cluster_file(cluster_dir).unlink()

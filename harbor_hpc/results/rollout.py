@@ -34,10 +34,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from harbor.models.agent.context import AgentContext
-from harbor.models.task.task import strip_canary
-from harbor.models.trial.result import StepResult, TrialResult
-
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
 from harbor_hpc.results.classify import FailureClass, Outcome, outcome_of_result
@@ -297,6 +293,8 @@ def _flat(found: list[Sequence] | None) -> dict[str, Any]:
 
 
 def _instruction(path: Path) -> str | None:
+    from harbor.models.task.task import strip_canary
+
     return strip_canary(path.read_text()) if path.is_file() else None
 
 
@@ -320,6 +318,9 @@ def _token_totals(
     result: dict[str, Any],
 ) -> tuple[int | None, int | None, int | None, float | None]:
     """Harbor's own sums over the trial's agent runs (one, or one per step)."""
+    # Harbor's models load when a line is written, not with every command.
+    from harbor.models.agent.context import AgentContext
+    from harbor.models.trial.result import StepResult, TrialResult
 
     def context(data: Any) -> AgentContext | None:
         return AgentContext.model_validate(data) if data else None

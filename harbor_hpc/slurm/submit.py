@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT, accepted_environment_kwargs
 from harbor_hpc.apptainer.store import sif_file, unavailable
 from harbor_hpc.core.config import Config, cache_dir, chosen_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
@@ -59,7 +59,6 @@ from harbor_hpc.slurm.runs import live_jobs
 from harbor_hpc.slurm.worker import ChunkWorker, use_local_cost_map
 from harbor_hpc.tasks.discovery import Task, discover_tasks, load_task
 
-ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
 # The .sif store's kwarg, as our environment and Harbor's own Singularity environment take it.
 CACHE_KWARG = "singularity_image_cache_dir"
 # What Harbor's agents that can record each model call's token ids and logprobs (terminus-2)

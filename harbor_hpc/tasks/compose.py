@@ -90,14 +90,62 @@ class UnsupportedCompose(Exception):
 
 @dataclass(frozen=True)
 class Healthcheck:
-    """`healthcheck:` (Docker's defaults where a field is missing)."""
+    """A healthcheck as a compose file or an image's HEALTHCHECK gives it; a field it leaves
+    out (None) comes from the image's, then from Docker's defaults (`resolved`)."""
 
     # The argv to run: CMD's as given, CMD-SHELL's and a string's through `/bin/sh -c`.
+    test: tuple[str, ...] | None = None
+    interval_sec: float | None = None
+    timeout_sec: float | None = None
+    retries: int | None = None
+    start_period_sec: float | None = None
+    # `disable: true`, or a test of NONE: no healthcheck, whatever the image has.
+    disabled: bool = False
+
+    def over(self, image: Healthcheck | None) -> HealthProbe | None:
+        """This healthcheck over the image's, with Docker's defaults for what neither sets;
+        None when there is none to run."""
+        if self.disabled:
+            return None
+        base = image or Healthcheck()
+        test = self.test or base.test
+        if not test or (base.disabled and not self.test):
+            return None
+        return HealthProbe(
+            test,
+            _first(self.interval_sec, base.interval_sec, 30.0),
+            _first(self.timeout_sec, base.timeout_sec, 30.0),
+            int(_first(self.retries, base.retries, 3)),
+            _first(self.start_period_sec, base.start_period_sec, 0.0),
+        )
+
+
+@dataclass(frozen=True)
+class HealthProbe:
+    """A healthcheck to run, every field settled (`Healthcheck.over`)."""
+
     test: tuple[str, ...]
-    interval_sec: float = 30.0
-    timeout_sec: float = 30.0
-    retries: int = 3
-    start_period_sec: float = 0.0
+    interval_sec: float
+    timeout_sec: float
+    retries: int
+    start_period_sec: float
+
+
+def _first(*values: float | None) -> float:
+    return next(value for value in values if value is not None)
+
+
+def health_argv(test: Sequence[Any], where: str) -> tuple[str, ...]:
+    """Docker's `test` (a string, or ["CMD", ...] / ["CMD-SHELL", text]) as the argv to run."""
+    if isinstance(test, str):
+        return ("/bin/sh", "-c", test)
+    if test and test[0] == "CMD":
+        return tuple(str(part) for part in test[1:])
+    if test and test[0] == "CMD-SHELL":
+        return ("/bin/sh", "-c", " ".join(str(part) for part in test[1:]))
+    raise UnsupportedCompose(
+        f"{where}: healthcheck test {test!r} is not CMD, CMD-SHELL or a string"
+    )
 
 
 @dataclass(frozen=True)
@@ -363,9 +411,9 @@ def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-def _seconds(value: Any, default: float, where: str) -> float:
+def _seconds(value: Any, where: str) -> float | None:
     if value is None:
-        return default
+        return None
     if isinstance(value, int | float):
         return float(value)
     parts = _DURATION.findall(str(value))
@@ -375,25 +423,18 @@ def _seconds(value: Any, default: float, where: str) -> float:
 
 
 def _healthcheck(value: Any, where: str) -> Healthcheck | None:
-    if not value or value.get("disable") or value.get("test") in (None, ["NONE"], "NONE"):
+    if not value:
         return None
-    test = value["test"]
-    if isinstance(test, str):
-        argv: tuple[str, ...] = ("/bin/sh", "-c", test)
-    elif test and test[0] == "CMD":
-        argv = tuple(str(part) for part in test[1:])
-    elif test and test[0] == "CMD-SHELL":
-        argv = ("/bin/sh", "-c", " ".join(str(part) for part in test[1:]))
-    else:
-        raise UnsupportedCompose(
-            f"{where}: healthcheck.test {test!r} is not CMD, CMD-SHELL or a string"
-        )
+    test = value.get("test")
+    if value.get("disable") or test in (["NONE"], "NONE"):
+        return Healthcheck(disabled=True)
+    retries = value.get("retries")
     return Healthcheck(
-        argv,
-        interval_sec=_seconds(value.get("interval"), 30.0, where),
-        timeout_sec=_seconds(value.get("timeout"), 30.0, where),
-        retries=int(value.get("retries", 3)),
-        start_period_sec=_seconds(value.get("start_period"), 0.0, where),
+        None if test is None else health_argv(test, where),
+        interval_sec=_seconds(value.get("interval"), where),
+        timeout_sec=_seconds(value.get("timeout"), where),
+        retries=None if retries is None else int(retries),
+        start_period_sec=_seconds(value.get("start_period"), where),
     )
 
 

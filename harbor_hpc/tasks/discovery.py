@@ -15,12 +15,13 @@ import tomllib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from harbor.models.task.config import TaskConfig, VerifierEnvironmentMode
-from harbor.models.task.verifier_mode import resolve_task_verifier_mode
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
 from harbor_hpc.core.errors import InputError
+
+if TYPE_CHECKING:  # Harbor's models load when a task is read, not with every command
+    from harbor.models.task.config import TaskConfig
+    from pydantic import ValidationError
 
 TASK_FILE = "task.toml"
 # Compose files (services beside the task's own container), as Harbor's Docker environment
@@ -71,6 +72,9 @@ class Task:
         environment_mode = "separate"`, or a `[verifier.environment]` table without an explicit
         mode. A tests/Dockerfile alone does not make it separate: in shared mode Harbor never
         reads it."""
+        from harbor.models.task.config import VerifierEnvironmentMode
+        from harbor.models.task.verifier_mode import resolve_task_verifier_mode
+
         mode = resolve_task_verifier_mode(self.config)
         return bool(mode == VerifierEnvironmentMode.SEPARATE)
 
@@ -168,6 +172,9 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
 
 
 def load_task(root: Path, path: Path, *, require_dockerfile: bool = True) -> Task | TaskProblem:
+    from harbor.models.task.config import TaskConfig
+    from pydantic import ValidationError
+
     toml_path = path / TASK_FILE
     try:
         data = tomllib.loads(toml_path.read_text())

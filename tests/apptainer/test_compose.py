@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.apptainer.errors import MemoryLimitExceeded, UnsupportedTask
-from harbor_hpc.tasks.compose import Healthcheck, UnsupportedCompose, Volume, load_compose
+from harbor_hpc.apptainer.pod import image_healthcheck
+from harbor_hpc.apptainer.sif import ImageConfig
+from harbor_hpc.tasks.compose import (
+    Healthcheck,
+    HealthProbe,
+    UnsupportedCompose,
+    Volume,
+    load_compose,
+)
 from tests.apptainer.test_environment import ENVIRONMENT, HARBOR, make_environment, reward
 from tests.support.cli import cli
 from tests.support.sample_tasks import answer_service, make_task
@@ -69,7 +77,7 @@ services:
     assert db.image == "registry.test/postgres:16"
     assert db.environment == {"PORT": "5432", "LEVEL": "info", "COST": "$5"}
     assert db.command == ("postgres", "-p", "5432")
-    assert db.healthcheck == Healthcheck(("/bin/sh", "-c", "pg_isready"), 90.0, 30.0, 5, 0.0)
+    assert db.healthcheck == Healthcheck(("/bin/sh", "-c", "pg_isready"), 90.0, None, 5, None)
     assert db.volumes == [Volume("pgdata", "/var/lib/postgresql", named=True)]
     assert web.build == (env_dir / "web").resolve() and web.depends_on == {"db": "service_healthy"}
     assert load_compose(tmp_path / "none") is None
@@ -282,13 +290,15 @@ def test_a_build_context_service_is_built_into_the_store_and_the_oracle_scores(
     would; then `build` finds it there and records it, `rewrite --sif` points the compose file
     at it (and the task at its own), and a second trial runs from those .sif files. A third
     runs the same task as Harbor's terminal-bench mapper writes such a task (the service's
-    `image:` only naming what its `build:` makes): its image is found in the store by context."""
+    `image:` only naming what its `build:` makes, its healthcheck the image's HEALTHCHECK): its
+    image is found in the store by context."""
     task = make_task(tmp_path / "tasks", "multi", image=str(debian_sif), kind="solved")
     env_dir = task / "environment"
     (env_dir / "Dockerfile").write_text(f"FROM {base_image}\n")
     (env_dir / "api-server").mkdir()
     (env_dir / "api-server" / "Dockerfile").write_text(
         f"FROM {base_image}\nWORKDIR /app\nCOPY server.py .\nEXPOSE 5000\n"
+        f'HEALTHCHECK --interval=1s --retries=30 CMD ["python3", "-c", "{PROBE}"]\n'
         'CMD ["python3", "server.py"]\n'
     )
     (env_dir / "api-server" / "server.py").write_text(SERVER)
@@ -368,11 +378,6 @@ def write_terminal_bench_compose(env_dir: Path) -> None:
                 "build": {"context": "./api-server"},
                 "image": "${T_BENCH_TASK_DOCKER_NAME_PREFIX}__api-server",
                 "container_name": "${T_BENCH_TASK_DOCKER_NAME_PREFIX}__api-server",
-                "healthcheck": {
-                    "test": ["CMD", "python3", "-c", PROBE],
-                    "interval": "1s",
-                    "retries": 30,
-                },
             },
         }
     }
@@ -423,3 +428,36 @@ def test_a_terminal_bench_task_as_harbors_mapper_writes_it_reads_as_a_pod(tmp_pa
     (server,) = compose.services
     assert (server.image, server.build) == ("hb__server", (tmp_path / "server").resolve())
     assert server.command == ("python3", "-m", "http.server", "8000")
+
+
+@pytest.mark.parametrize(
+    ("compose", "image", "probe"),
+    [
+        # The image's HEALTHCHECK where compose sets none; compose's fields win one by one.
+        (None, Healthcheck(("ready",), 5.0, None, 2, None), HealthProbe(("ready",), 5, 30, 2, 0)),
+        (
+            Healthcheck(None, 1.0),
+            Healthcheck(("ready",), 5.0, 4.0),
+            HealthProbe(("ready",), 1, 4, 3, 0),
+        ),
+        (Healthcheck(("mine",)), None, HealthProbe(("mine",), 30, 30, 3, 0)),
+        # Disabled on either side (compose's `disable`, the image's NONE): none to run.
+        (Healthcheck(disabled=True), Healthcheck(("ready",)), None),
+        (None, Healthcheck(disabled=True), None),
+        (None, None, None),
+    ],
+)
+def test_a_healthcheck_is_composes_over_the_images_as_docker_merges_them(
+    compose: Healthcheck | None, image: Healthcheck | None, probe: HealthProbe | None
+) -> None:
+    assert (compose or Healthcheck()).over(image) == probe
+
+
+def test_an_images_healthcheck_reads_from_its_oci_config() -> None:
+    config = ImageConfig.from_json(
+        {"Healthcheck": {"Test": ["CMD-SHELL", "pg_isready"], "Interval": 2 * 10**9, "Retries": 4}}
+    )
+    assert image_healthcheck(config, "db") == Healthcheck(
+        ("/bin/sh", "-c", "pg_isready"), 2.0, None, 4, None
+    )
+    assert image_healthcheck(ImageConfig(), "db") is None

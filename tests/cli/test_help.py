@@ -39,3 +39,20 @@ def test_brackets_in_help_are_text() -> None:
     assert "pip install 'harbor-hpc[ray]'" in top
     build = " ".join(runner.invoke(app, ["build", "--help"], env={"COLUMNS": "100"}).output.split())
     assert '[verifier] environment_mode = "separate"' in build
+
+
+def test_the_command_line_loads_what_a_command_needs_when_it_runs() -> None:
+    """`--help`, `status` and `doctor` start without Harbor, the Hugging Face client, docker-py
+    or submitit: each step imports those when it runs (bench/bench_startup.py times it)."""
+    import subprocess
+    import sys
+
+    heavy = ("harbor", "huggingface_hub", "docker", "submitit", "pydantic", "yaml")
+    script = (
+        "import sys; import harbor_hpc.cli; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert loaded.strip() == "[]", loaded

@@ -135,7 +135,7 @@ RUN cat greeting | wc -c
 LABEL org.example.name="multi stage" version=1
 EXPOSE 8080 53/udp
 ENTRYPOINT ["/srv/entry.sh"]
-HEALTHCHECK CMD true
+HEALTHCHECK --interval=1m30s --retries=5 CMD ["/srv/ready", "--quick"]
 """
 
 
@@ -188,7 +188,29 @@ def test_stages_keep_their_instructions_in_order_with_what_docker_runs_them_with
         "Shell": ["/bin/bash", "-o", "pipefail", "-c"],
         "Labels": {"org.example.name": "multi stage", "version": "1"},
         "ExposedPorts": {"8080/tcp": {}, "53/udp": {}},
+        # As Docker records it: a compose service waited for as healthy runs it.
+        "Healthcheck": {
+            "Interval": 90 * 10**9,
+            "Retries": 5,
+            "Test": ["CMD", "/srv/ready", "--quick"],
+        },
     }
+
+
+@pytest.mark.parametrize(
+    ("line", "recorded"),
+    [
+        ("HEALTHCHECK NONE", {"Test": ["NONE"]}),
+        (
+            "HEALTHCHECK --timeout=500ms --start-period=2s CMD curl -f localhost || exit 1",
+            {"Timeout": 5 * 10**8, "StartPeriod": 2 * 10**9,
+             "Test": ["CMD-SHELL", "curl -f localhost || exit 1"]},
+        ),
+    ],
+)  # fmt: skip
+def test_healthcheck_is_recorded_as_docker_records_it(line: str, recorded: dict[str, Any]) -> None:
+    (stage,) = read_dockerfile(f"FROM scratch\n{line}\n").stages
+    assert stage.config["Healthcheck"] == recorded
 
 
 def test_shell_words_as_docker_reads_them() -> None:
