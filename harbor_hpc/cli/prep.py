@@ -264,11 +264,15 @@ def build(
     if result.failed_tasks or result.problems:
         names = ", ".join(result.failed_tasks[:_LISTED])
         more = len(result.failed_tasks) - _LISTED
+        failed = f"{len(result.failed_tasks)} task(s) have no image: {names}" + (
+            f" and {more} more" if more > 0 else ""
+        )
+        invalid = f"{len(result.problems)} folder(s) are not valid tasks"
         raise HarborHpcError(
-            f"{len(result.failed_tasks)} task(s) have no image"
-            + (f": {names}" + (f" and {more} more" if more > 0 else "") if names else "")
-            + (
-                f"; {len(result.problems)} folder(s) are not valid tasks" if result.problems else ""
+            "; ".join(
+                part
+                for part, count in ((failed, result.failed_tasks), (invalid, result.problems))
+                if count
             ),
             hint=f"the errors are in {manifest_file}; fix them and run again (finished images are "
             "kept)",
@@ -360,8 +364,12 @@ def rewrite(
     result = rewrite_tasks(tasks_dir, manifest_file, sif=sif, dry_run=dry_run)
     render(result, json=json_output, show=_show_rewrite)
     if not result.ok:
+        parts = (
+            (f"{len(result.skipped)} task(s) left untouched", result.skipped),
+            (f"{len(result.problems)} task(s) not readable", result.problems),
+        )
         raise HarborHpcError(
-            f"{len(result.skipped)} task(s) left untouched, {len(result.problems)} not readable",
+            "; ".join(part for part, count in parts if count),
             hint="build (or convert) what is missing, fix the named files, and run again",
         )
 
@@ -369,8 +377,11 @@ def rewrite(
 def _show_rewrite(result: RewriteResult) -> None:
     for task in result.changed if result.dry_run else []:
         stdout.print(result.diffs[task], end="", highlight=False, markup=False)
-    verb = "would change" if result.dry_run else "changed"
-    info(f"{verb} {len(result.changed)}, already right {len(result.unchanged)}")
+    verb = "would point" if result.dry_run else "pointed"
+    info(
+        f"{verb} {len(result.changed)} task(s) at their images; "
+        f"{len(result.unchanged)} already pointed there"
+    )
     for task, reason in list(result.skipped.items())[:_LISTED]:
         warn(f"{task}: left untouched: {reason}")
     if len(result.skipped) > _LISTED:

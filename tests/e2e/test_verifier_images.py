@@ -406,7 +406,7 @@ def test_separate_verifiers_build_convert_rewrite_and_run_to_reward_one(
         None, author_image, None, str(verifier_sifs["author"])
     )
     again = cli("rewrite", str(tasks), "--manifest", str(manifest), "--sif")
-    assert "changed 0, already right 2" in again.stderr
+    assert "pointed 0 task(s) at their images; 2 already pointed there" in again.stderr
 
     submitted = cli("submit", str(tasks), "--agent", "oracle", "--run-dir", str(run), "--wait",
                     "--executor", "slurm", "--cache-dir", str(store), "--json")  # fmt: skip

@@ -268,7 +268,7 @@ def test_rewrite_changes_only_the_docker_image_line(built: Built) -> None:
     assert [line for line in after if not line.startswith("docker_image")] == old
     assert (built.root / "fails/task.toml").read_text() == before["fails"]
     again = run_cli("rewrite", str(built.root), "--manifest", str(built.manifest), env=built.env)
-    assert "changed 0, already right 5" in again.stderr
+    assert "pointed 0 task(s) at their images; 5 already pointed there" in again.stderr
 
 
 @pytest.mark.docker
