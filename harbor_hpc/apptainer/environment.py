@@ -43,6 +43,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer import gpus
+from harbor_hpc.apptainer.channel import CommandOutput
 from harbor_hpc.apptainer.container import (
     ENV_FILES,
     ENV_NAME,
@@ -170,6 +171,14 @@ def environment_capabilities(
         },
         gpus=gpus,
         docker_compose=True,
+    )
+
+
+def _exec_result(output: CommandOutput) -> ExecResult:
+    return ExecResult(
+        stdout=output.stdout.decode(errors="replace"),
+        stderr=output.stderr.decode(errors="replace"),
+        return_code=output.exit_code,
     )
 
 
@@ -697,15 +706,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         except RuntimeError:
             self._raise_if_memory_breached()
             raise
-        return ExecResult(
-            stdout=output.stdout.decode(errors="replace"),
-            stderr=output.stderr.decode(errors="replace"),
-            return_code=output.exit_code,
-        )
+        return _exec_result(output)
 
     async def _run_streaming(
         self, main: Container, script: bytes, timeout_sec: int | None, callback: Any
-    ) -> Any:
+    ) -> CommandOutput:
         queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
         decoders = {
             stream: codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -789,11 +794,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         container = self._sidecar(service)
         # As Harbor's compose providers: a service's exec takes nothing of main's defaults.
         output = await container.run(container.script(command, cwd, env, user), timeout_sec)
-        return ExecResult(
-            stdout=output.stdout.decode(errors="replace"),
-            stderr=output.stderr.decode(errors="replace"),
-            return_code=output.exit_code,
-        )
+        return _exec_result(output)
 
     @override
     async def service_download_file(
