@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole flow on the bundled example tasks, with the defaults:
-#   build (Docker) -> convert (.sif store) -> rewrite --sif -> submit (Slurm, oracle) -> status -> export
+#   build (Docker, else Apptainer) -> convert (.sif store) -> rewrite --sif -> submit (Slurm,
+#   oracle) -> status -> export
 # It works on a copy of examples/tasks in WORK (first argument, default ./quickstart), so the
 # bundled tasks stay as they are. Run it again: every step does only what is left.
 #
@@ -15,12 +16,6 @@ EXAMPLES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/tasks
 
 base=()
 if [ -n "${HARBOR_HPC_BASE_IMAGE:-}" ]; then base=(--build-arg "BASE_IMAGE=$HARBOR_HPC_BASE_IMAGE"); fi
-# A registry on this machine speaks plain HTTP; Apptainer (converting, or building where there
-# is no Docker) has to be told so.
-nohttps=()
-case "$REGISTRY ${HARBOR_HPC_BASE_IMAGE:-}" in
-  localhost:* | 127.0.0.1:* | *" localhost:"* | *" 127.0.0.1:"*) nohttps=(--nohttps) ;;
-esac
 
 mkdir -p "$WORK"
 rm -rf "$WORK/tasks"
@@ -28,7 +23,7 @@ cp -r "$EXAMPLES" "$WORK/tasks"
 
 # Without Docker, build makes each .sif itself, in the same store convert and submit use.
 if ! harbor-hpc build "$WORK/tasks" --registry "$REGISTRY" --manifest "$WORK/manifest.json" \
-  --cache-dir "$WORK/sif" "${nohttps[@]}" "${base[@]}"; then
+  --cache-dir "$WORK/sif" "${base[@]}"; then
   if [ ${#base[@]} -eq 0 ]; then
     echo "quickstart: if the public base image could not be pulled here, set" \
       "HARBOR_HPC_BASE_IMAGE to a Debian image with python3 that this machine has" \
@@ -36,7 +31,7 @@ if ! harbor-hpc build "$WORK/tasks" --registry "$REGISTRY" --manifest "$WORK/man
   fi
   exit 1
 fi
-harbor-hpc convert --manifest "$WORK/manifest.json" --cache-dir "$WORK/sif" "${nohttps[@]}"
+harbor-hpc convert --manifest "$WORK/manifest.json" --cache-dir "$WORK/sif"
 harbor-hpc rewrite "$WORK/tasks" --manifest "$WORK/manifest.json" --sif
 harbor-hpc submit "$WORK/tasks" --agent oracle --run-dir "$WORK/run" --cache-dir "$WORK/sif" --wait
 harbor-hpc status "$WORK/run"

@@ -33,21 +33,18 @@ from harbor.models.trial.config import (
 )
 from harbor.trial.trial import Trial
 
-from harbor_hpc.results.classify import outcome_of_result
-from harbor_hpc.results.record import RunRecord
-from harbor_hpc.results.rollout import rollout
+from harbor_hpc.api import trial_rollout
 
 ENVIRONMENT = "harbor_hpc.environment:RaySingularityEnvironment"
 
 
-async def run_trial(config: TrialConfig) -> tuple[Path, dict[str, Any], str]:
-    """One rollout: its trial folder, its result (Harbor's TrialResult as JSON), and the node
-    its container ran on (address and Ray node id)."""
+async def run_trial(config: TrialConfig) -> tuple[Path, str]:
+    """One rollout: its trial folder and the node its container ran on (address and Ray node
+    id)."""
     trial = await Trial.create(config)
-    result = await trial.run()
+    await trial.run()
     environment = trial.agent_environment
-    node = f"{environment.node} node_id={environment.node_id}"
-    return trial.paths.trial_dir, result.model_dump(mode="json"), node
+    return trial.paths.trial_dir, f"{environment.node} node_id={environment.node_id}"
 
 
 async def main() -> int:
@@ -87,32 +84,13 @@ async def main() -> int:
     ]
     ended = await asyncio.gather(*(run_trial(c) for c in configs))
 
-    # The rollouts as `export` would record them had they run as a harbor-hpc run.
-    record = RunRecord(
-        tasks_root=str(task.parent),
-        tasks=[task.name],
-        agent="terminus-2",
-        model=args.model,
-        agent_kwargs=agent_kwargs,
-        environment=ENVIRONMENT,
-        environment_kwargs=environment_kwargs,
-        options={"attempts": args.rollouts},
-    )
+    # Each rollout as `export` writes it (policy tokens, reward, failure class).
     failed = 0
-    for attempt, (trial_dir, result, node) in enumerate(ended):
-        outcome = outcome_of_result(result)
-        line = rollout(
-            record,
-            task=task.name,
-            attempt=attempt,
-            trial_dir=trial_dir,
-            result=result,
-            outcome=outcome,
-            counts=True,
-        ).line
+    for attempt, (trial_dir, node) in enumerate(ended):
+        line = trial_rollout(trial_dir, task, attempt=attempt)
         mask = line["mask_ids"] or []
-        failure = f" failed={outcome.failure}: {outcome.message}" if outcome.failure else ""
-        failed += outcome.failure is not None
+        failure = f" failed={line['failure']}: {line['message']}" if line["failure"] else ""
+        failed += line["failure"] is not None
         print(
             f"{task.name} #{attempt}: trial={trial_dir.name} node={node} "
             f"reward={line['reward']} trainable={line['trainable']} "

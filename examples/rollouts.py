@@ -17,7 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
-from harbor_hpc.rollouts import RolloutRequest, run_rollouts
+from harbor_hpc.api import RolloutRequest, run_rollouts
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Rollouts from Python, for trainers: run a folder of tasks N times, get the records back.
 
-    from harbor_hpc.rollouts import RolloutRequest, run_rollouts
+    from harbor_hpc.api import RolloutRequest, run_rollouts
 
     lines = run_rollouts(RolloutRequest(
         tasks=Path("tasks"), run_dir=Path("runs/step-0042"), agent="terminus-2",
@@ -22,19 +22,21 @@ serving while trials run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.core.config import load_config
 from harbor_hpc.results.export import ExportFormat, rollout_lines
 from harbor_hpc.slurm.runs import follow
-from harbor_hpc.slurm.submit import SubmitOptions, submit_run
+from harbor_hpc.slurm.submit import configured_options, submit_run
 
 
 @dataclass
 class RolloutRequest:
     """What to run: every task under `tasks`, `attempts` times each, into `run_dir` (new, or
-    the same run again to add nothing but what is missing)."""
+    the same run again to add nothing but what is missing). Fields left None take the value
+    harbor-hpc.toml gives the option of that name, as the CLI's flags do, else its default."""
 
     tasks: Path
     run_dir: Path
@@ -44,35 +46,42 @@ class RolloutRequest:
     # Names of variables the agent gets from this process's environment (API keys).
     agent_env: list[str] = field(default_factory=list)
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
-    cache_dir: Path | None = None
     attempts: int = 1
-    concurrency: int = 1
+    # Local processes of this machine (a trainer's own allocation), or "slurm" for array jobs.
     executor: str = "local"
+    # None: from harbor-hpc.toml (cache_dir also from $HARBOR_HPC_CACHE), else the default.
+    cache_dir: Path | None = None
+    scratch_dir: Path | None = None
+    concurrency: int | None = None
     partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int | None = None
     format: ExportFormat = ExportFormat.FULL
 
 
 def run_rollouts(request: RolloutRequest) -> list[dict[str, Any]]:
     """Run the request's trials to the end and return the rollout lines of the attempts that
     count (in `request.format`). Raises `HarborHpcError` for bad input, as the CLI reports it."""
-    submit_run(
-        request.tasks,
-        request.run_dir,
-        SubmitOptions(
-            agent=request.agent,
-            model=request.model,
-            agent_kwargs=dict(request.agent_kwargs),
-            agent_env=list(request.agent_env),
-            environment_kwargs=dict(request.environment_kwargs),
-            cache_dir=request.cache_dir,
-            executor=request.executor,
-            partition=request.partition,
-            attempts=request.attempts,
-            concurrency=request.concurrency,
-            # One process (or element) runs `concurrency` trials at once.
-            tasks_per_job=max(1, request.concurrency),
-        ),
+    options = configured_options(
+        load_config(),
+        request.agent,
+        model=request.model,
+        agent_kwargs=dict(request.agent_kwargs),
+        agent_env=list(request.agent_env),
+        environment_kwargs=dict(request.environment_kwargs),
+        cache_dir=request.cache_dir,
+        scratch_dir=request.scratch_dir,
+        executor=request.executor,
+        partition=request.partition,
+        account=request.account,
+        qos=request.qos,
+        time_min=request.time_min,
+        attempts=request.attempts,
+        concurrency=request.concurrency,
     )
+    # One process (or element) runs `concurrency` trials at once.
+    submit_run(request.tasks, request.run_dir, replace(options, tasks_per_job=options.concurrency))
     *_, final = follow(request.run_dir)
     lines, _ = rollout_lines(request.run_dir, final.attempts, fmt=request.format)
     return [line for line in lines if line.get("counts", True)]

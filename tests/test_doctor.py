@@ -258,3 +258,22 @@ def test_build_role_says_what_to_ask_the_admins_for_when_fakeroot_builds_fail(
     [build] = [c for c in json.loads(done.stdout) if c["check"] == "fakeroot build"]
     assert build["status"] == "missing" and "no mapping entry" in build["detail"]
     assert "/etc/subuid" in build["fix"] and "--builder docker" in build["fix"]
+
+
+def test_the_checklist_fits_80_columns_and_every_check_not_ok_has_a_fix(tmp_path: Path) -> None:
+    env = {**bare_env(tmp_path), "COLUMNS": "80"}
+    checks = json.loads(run_cli("--role", "all", "--json", env=env, cwd=tmp_path).stdout)
+    assert [c["check"] for c in checks if c["status"] != "ok" and not c["fix"]] == []
+    shown = run_cli("--role", "all", env=env, cwd=tmp_path).stdout
+    assert all(len(line.rstrip()) <= 80 for line in shown.splitlines())
+    not_ok = sum(c["status"] != "ok" for c in checks)
+    assert not_ok > 3 and shown.count("fix: ") == not_ok
+    # Words are not cut: every word of every detail that fits a line is on the page whole (the
+    # test's own paths are longer than a line; figures such as free space change between runs).
+    words = {
+        word
+        for c in checks
+        for word in c["detail"].split()
+        if len(word) < 40 and not any(ch.isdigit() for ch in word)
+    }
+    assert all(word in shown for word in words)

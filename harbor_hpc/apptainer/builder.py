@@ -45,7 +45,6 @@ from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.core.proc import run
 from harbor_hpc.images.build import (
     Builder,
-    BuilderKind,
     BuildPlan,
     ImageAction,
     ImageFailed,
@@ -55,6 +54,7 @@ from harbor_hpc.images.build import (
 from harbor_hpc.images.context import DOCKERFILE
 from harbor_hpc.images.definition import DefinitionError, write_definition
 from harbor_hpc.images.dockerfile import Dockerfile, Run, read_dockerfile
+from harbor_hpc.images.engine import BuilderKind
 from harbor_hpc.tasks.manifest import ImageRecord
 
 # What the build's %post prints when a step fails (templates/apptainer_build.sh).
@@ -74,6 +74,20 @@ def scratch_dir(chosen: Path | None = None) -> Path:
 def sif_name(context: str) -> str:
     """The store's file for a context built here: there is no registry digest to name it by."""
     return f"env-{context}.sif"
+
+
+def _base_hint(dockerfile: Dockerfile, text: str, ref: str) -> str | None:
+    """How to name another base image, when the FROM lines that give `ref` take it from build
+    args (`FROM ${BASE_IMAGE}`): offline machines name one they reach."""
+    lines = text.splitlines()
+    froms = [lines[s.line - 1] for s in dockerfile.stages if s.base == ref and s.line <= len(lines)]
+    names = sorted({n for line in froms for n in re.findall(r"\$\{?(\w+)", line)})
+    if not names:
+        return None
+    return (
+        f"name an image this machine can pull with --build-arg {names[0]}=REGISTRY/IMAGE:TAG "
+        "(--nohttps for a plain-HTTP registry), or a .sif file"
+    )
 
 
 class ApptainerBuilder(Builder):
@@ -124,7 +138,7 @@ class ApptainerBuilder(Builder):
             return ImageAction.IN_STORE
         dockerfile_path = image.build_dir / DOCKERFILE
         text = dockerfile_path.read_text(errors="replace")
-        bases = self._bases(read_dockerfile(text, self.build_args), image, progress)
+        bases = self._bases(read_dockerfile(text, self.build_args), text, image, progress)
         configs = {ref: raw_config(sif) or {} for ref, sif in bases.items()}
         dockerfile = read_dockerfile(text, self.build_args, configs)
         problems = [*dockerfile.problems, *(p for s in dockerfile.stages for p in s.problems)]
@@ -153,9 +167,13 @@ class ApptainerBuilder(Builder):
         return ImageAction.BUILT_SIF
 
     def _bases(
-        self, dockerfile: Dockerfile, image: PlannedImage, progress: Callable[[str], None]
+        self,
+        dockerfile: Dockerfile,
+        text: str,
+        image: PlannedImage,
+        progress: Callable[[str], None],
     ) -> dict[str, Path]:
-        """Every image `dockerfile` starts FROM or copies from, as a .sif."""
+        """Every image `dockerfile` (read from `text`) starts FROM or copies from, as a .sif."""
         bases = {}
         for ref in dockerfile.images():
             own = sif_file(ref, image.build_dir)
@@ -168,8 +186,10 @@ class ApptainerBuilder(Builder):
             try:
                 bases[ref] = ensure_sif(ref, self.store, nohttps=self.nohttps)
             except HarborHpcError as exc:
-                hint = f"; {exc.hint}" if exc.hint else ""
-                raise ImageFailed(f"FROM {ref}: {exc.message}{hint}") from None
+                raise ImageFailed(
+                    f"FROM {ref}: cannot be pulled here ({exc.message}); "
+                    f"{_base_hint(dockerfile, text, ref) or exc.hint or 'check the reference'}"
+                ) from None
         return bases
 
     def _build(

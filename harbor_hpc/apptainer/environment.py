@@ -332,8 +332,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         image = self.task_env_config.docker_image
         if not image:
             raise ImageUnavailable(
-                f"task {self.environment_name}: task.toml sets no [environment] docker_image; "
-                "set it to a .sif path or a registry reference (harbor-hpc rewrite does this)"
+                f"task {self.environment_name}: task.toml sets no environment.docker_image; "
+                "set it to a .sif path or a registry reference (`harbor-hpc rewrite --sif` "
+                "does this)"
             )
         from harbor_hpc.apptainer.store import checked_sif, ensure_sif, sif_file
 
@@ -341,8 +342,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if path is not None:
             if not path.is_file():
                 raise ImageUnavailable(
-                    f"task {self.environment_name}: the image {image} does not exist; "
-                    "convert the dataset's images first (harbor-hpc convert) or fix docker_image"
+                    f"task {self.environment_name}: the image {image} does not exist; build or "
+                    "convert it into that store first (harbor-hpc build, harbor-hpc convert) or "
+                    "fix docker_image"
                 )
             where = path.parent
             # A store's .sif is verified against its recorded sha256 (rebuilt when damaged).

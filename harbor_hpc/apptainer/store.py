@@ -62,7 +62,7 @@ from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
 from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
 from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
 from harbor_hpc.core.proc import run
-from harbor_hpc.images.reference import DIGEST, Reference
+from harbor_hpc.images.reference import DIGEST, Reference, is_loopback
 
 if TYPE_CHECKING:
     from harbor_hpc.images.registry import Registry
@@ -340,6 +340,8 @@ def _convert(parsed: Source, source: str, final: Path, *, use_http: bool) -> Non
     if shared and root.stat().st_uid == os.geteuid():
         root.chmod(0o2775)  # every member makes their scratch folders in it
     work = root / f"{parsed.name}.{_process_tag()}"
+    # A loopback registry speaks plain HTTP, as Docker assumes without being told.
+    use_http = use_http or (not parsed.build and is_loopback(Reference.parse(parsed.uri).host))
     env = dict(os.environ)
     # Both names, so that Singularity and Apptainer alike keep their scratch out of $HOME.
     for prefix in ("APPTAINER", "SINGULARITY"):
@@ -360,7 +362,7 @@ def _convert(parsed: Source, source: str, final: Path, *, use_http: bool) -> Non
             said = result.error or _apptainer_error(result.stderr)
             raise HarborHpcError(
                 f"{source}: apptainer {verb} failed: {said}",
-                hint=_failure_hint(result.stderr, use_http=use_http),
+                hint=failure_hint(result.stderr, use_http=use_http),
             )
         run_flags(partial)  # raises, naming each attempt, when the new image does not run
         if shared:
@@ -479,7 +481,7 @@ def _apptainer_error(stderr: str) -> str:
     return (text or "no error message")[-800:]
 
 
-def _failure_hint(stderr: str, *, use_http: bool) -> str:
+def failure_hint(stderr: str, *, use_http: bool) -> str:
     lowered = stderr.lower()
     if "no space left on device" in lowered or "disk quota exceeded" in lowered:
         return (

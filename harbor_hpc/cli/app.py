@@ -13,7 +13,6 @@ import logging
 import sys
 from collections.abc import Callable
 from functools import cache
-from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
@@ -21,19 +20,23 @@ import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from harbor_hpc.core.config import Config, load_config
 from harbor_hpc.core.errors import InputError
 
 if TYPE_CHECKING:
+    from rich.progress import Progress
+
     from harbor_hpc.slurm.convert import SlurmOptions
+    from harbor_hpc.tasks.discovery import TaskProblem
 
 app = typer.Typer(
     name="harbor-hpc",
-    help="Run Harbor agent tasks on Slurm clusters with Apptainer, one subcommand a step:\n\n"
-    "fetch -> build -> rewrite -> setup-sh -> convert -> submit -> status / resubmit / export.\n\n"
-    "Defaults for options can live in ./harbor-hpc.toml (see the README); flags win.",
+    help="Run Harbor agent tasks on Slurm clusters with Apptainer, one subcommand a step, in "
+    "this order:\n\n"
+    "fetch -> build -> convert -> rewrite -> submit -> status / resubmit / export\n\n"
+    "(doctor first: is this machine ready?). Defaults for options can live in ./harbor-hpc.toml "
+    "(docs/configuration.md); flags win.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
@@ -43,6 +46,8 @@ app = typer.Typer(
 
 def _show_version(value: bool) -> None:
     if value:
+        from importlib.metadata import version
+
         print(f"harbor-hpc {version('harbor-hpc')}")
         raise typer.Exit()
 
@@ -175,6 +180,14 @@ def render[R: JsonResult](result: R, *, json: bool, show: Callable[[R], None]) -
 
 def progress() -> Progress:
     """The progress display for long work: a bar, done/total, elapsed time, on stderr."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -195,3 +208,59 @@ def warn(message: str) -> None:
 
 def info(message: str) -> None:
     console.print(message, highlight=False, markup=False)  # text as is, as in warn
+
+
+# What the steps over a folder of tasks share.
+TasksArgument = Annotated[
+    Path,
+    typer.Argument(
+        help="Folder holding the tasks: every folder below it with task.toml is one.",
+        show_default=False,
+    ),
+]
+BuildArgOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--build-arg",
+        metavar="NAME=VALUE",
+        help="A value for the Dockerfiles' ARG NAME (repeatable), passed to every build as "
+        "`docker build --build-arg` does. Those a Dockerfile declares are part of its image's "
+        "content hash: other values, another image. Added to config build_args (a list of "
+        '"NAME=VALUE"); a flag wins for its NAME.',
+    ),
+]
+# How many named problems a step lists before it says how many more there are.
+LISTED = 20
+
+
+def build_args(config: Config, flags: list[str] | None) -> dict[str, str]:
+    """The config file's build args, then the flags' (a later NAME wins)."""
+    from harbor_hpc.images.build import parse_build_args
+
+    return parse_build_args([*config.pick("build_args", None, []), *(flags or [])])
+
+
+def show_problems(problems: list[TaskProblem]) -> None:
+    for problem in problems[:LISTED]:
+        warn(str(problem))
+    if len(problems) > LISTED:
+        warn(f"... and {len(problems) - LISTED} more")
+
+
+def reflow_help(typer_app: typer.Typer) -> None:
+    """Give every command of `typer_app` (and of its groups) that takes its help from its
+    docstring that docstring with each paragraph on one line, so that Rich wraps it to the
+    terminal (it keeps a docstring's line breaks, which leaves ragged lines at 80 columns).
+    Paragraphs that start with `Example` stay as written."""
+    import inspect
+
+    for command in typer_app.registered_commands:
+        if command.help is None and command.callback is not None and command.callback.__doc__:
+            paragraphs = inspect.cleandoc(command.callback.__doc__).split("\n\n")
+            command.help = "\n\n".join(
+                text if text.startswith("Example") else " ".join(text.split())
+                for text in paragraphs
+            )
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            reflow_help(group.typer_instance)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from harbor_hpc.cli.app import (
     CacheDirOption,
@@ -18,7 +20,7 @@ from harbor_hpc.cli.app import (
     stdout,
 )
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.doctor import PART_TITLES, REQUIRED_PARTS, Check, Report, Role, Status, run_doctor
+from harbor_hpc.doctor import PART_TITLES, REQUIRED_PARTS, Report, Role, Status, run_doctor
 
 _STYLES = {Status.OK: "green", Status.WARN: "yellow", Status.MISSING: "red bold"}
 
@@ -54,7 +56,7 @@ def doctor(
     except HarborHpcError as exc:  # a broken config file is one more finding, not the end
         config_problem = exc
     report = run_doctor(role, cache_dir)
-    render(report, json=json, show=lambda shown: stdout.print(_table(shown)))
+    render(report, json=json, show=lambda shown: stdout.print(_checklist(shown)))
     if config_problem is not None:
         console.print(
             f"[yellow]warning:[/] config ignored: {config_problem.message}", highlight=False
@@ -66,7 +68,7 @@ def doctor(
         )
         console.print(
             f"[red bold]not ready[/] for {_roles(role)} ({needed}): {names} missing; "
-            "see the fix column",
+            "each fix is above",
             highlight=False,
         )
         raise typer.Exit(1)
@@ -77,21 +79,28 @@ def _roles(role: str) -> str:
     return "every role" if role == "all" else f"the {role} role"
 
 
-def _table(report: Report) -> Table:
-    table = Table(title=f"harbor-hpc doctor ({report.role} role)", show_lines=False)
-    columns = ["role", "part", "check", "status", "detail"]
-    if any(check.fix for check in report.checks):
-        columns.append("fix")
-    for column in columns:
-        table.add_column(column, overflow="fold")
+def _checklist(report: Report) -> Group:
+    """One line per check under its part, status first; a check that is not ok says its fix
+    on the line below. Text wraps at words, at any width."""
+    rows: list[RenderableType] = [Text(f"harbor-hpc doctor ({report.role} role)", style="bold")]
     previous = None
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=7, no_wrap=True)
+    grid.add_column()
     for check in report.checks:
-        title = PART_TITLES[check.part] if check.part != previous else ""
-        previous = check.part
-        cells = [check.role if title else "", title, check.name, _status(check), check.detail]
-        table.add_row(*cells, check.fix) if "fix" in columns else table.add_row(*cells)
-    return table
-
-
-def _status(check: Check) -> str:
-    return f"[{_STYLES[check.status]}]{check.status}[/]"
+        if check.part != previous:
+            if previous is not None:
+                rows.append(grid)
+                grid = Table.grid(padding=(0, 1))
+                grid.add_column(width=7, no_wrap=True)
+                grid.add_column()
+            rows.append(Text(f"\n{PART_TITLES[check.part]} ({check.role})", style="bold"))
+            previous = check.part
+        line = Text(f"{check.name}: ")
+        line.append(check.detail)
+        if check.status is not Status.OK and check.fix:
+            line.append("\nfix: ", style="bold")
+            line.append(check.fix)
+        grid.add_row(Text(str(check.status), style=_STYLES[check.status]), line)
+    rows.append(grid)
+    return Group(*rows)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -21,8 +21,9 @@ from harbor_hpc.cli.app import (
     setup,
     stdout,
 )
-from harbor_hpc.ray import cluster
-from harbor_hpc.ray.cluster import RayCluster, RayDown, RayStatus, UpOptions
+
+if TYPE_CHECKING:  # the cluster code loads when a command runs: `--help` stays quick
+    from harbor_hpc.ray.cluster import RayCluster, RayDown, RayStatus
 
 ray_app = typer.Typer(
     name="ray",
@@ -95,14 +96,14 @@ def up(
     account: AccountOption = None,
     qos: QosOption = None,
     wait_timeout: Annotated[
-        float,
+        float | None,
         typer.Option(
             "--wait-timeout",
             min=1,
             help="Seconds to wait for the job to start and every node to join; then the job "
-            "is cancelled.",
+            "is cancelled. \\[default: 600]",
         ),
-    ] = cluster.UP_TIMEOUT_S,
+    ] = None,
     cluster_dir: ClusterDirOption = None,
     json: JsonOption = False,
     verbose: VerboseOption = 0,
@@ -120,8 +121,10 @@ def up(
     Example: harbor-hpc ray up --nodes 4 --partition cpu --labels role=env \\
                  --join 10.0.0.5:6379 --token-file ~/trainer/ray-token
     """
+    from harbor_hpc.ray import cluster
+
     config = setup(verbose)
-    options = UpOptions(
+    options = cluster.UpOptions(
         nodes=nodes,
         partition=config.pick("partition", partition, None),
         time_min=time_min,
@@ -134,7 +137,8 @@ def up(
         token_file=token_file,
     )
     where = cluster_dir or cluster.default_cluster_dir()
-    render(cluster.up(where, options, timeout=wait_timeout, say=info), json=json, show=_show_up)
+    timeout = cluster.UP_TIMEOUT_S if wait_timeout is None else wait_timeout
+    render(cluster.up(where, options, timeout=timeout, say=info), json=json, show=_show_up)
 
 
 def _show_up(result: RayCluster) -> None:
@@ -158,6 +162,8 @@ def status(
     Example: harbor-hpc ray status --json
     """
     setup(verbose)
+    from harbor_hpc.ray import cluster
+
     render(cluster.status(cluster_dir or cluster.default_cluster_dir()), json=json, show=_show)
 
 
@@ -197,6 +203,8 @@ def down(
     Example: harbor-hpc ray down --cluster-dir ~/ray/grpo
     """
     setup(verbose)
+    from harbor_hpc.ray import cluster
+
     render(cluster.down(cluster_dir or cluster.default_cluster_dir()), json=json, show=_show_down)
 
 

@@ -131,7 +131,9 @@ def submit(
         typer.Option(
             "--environment",
             help="The Harbor environment, as module:Class (e.g. Harbor's own "
-            "harbor.environments.singularity:SingularityEnvironment).",
+            "harbor.environments.singularity:SingularityEnvironment). \\[default: harbor-hpc's, "
+            "harbor_hpc.environment:SingularityEnvironment]",
+            show_default=False,
         ),
     ] = ENVIRONMENT,
     environment_kwarg: Annotated[
@@ -191,29 +193,28 @@ def submit(
 
     Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --run-dir runs/oracle --wait
     """
-    from harbor_hpc.slurm.submit import SubmitOptions, parse_key_values, submit_run
+    from harbor_hpc.slurm.submit import configured_options, parse_key_values, submit_run
 
     config = setup(verbose)
-    scratch = config.pick("scratch_dir", None if scratch_dir is None else str(scratch_dir), None)
-    options = SubmitOptions(
-        agent=agent,
+    options = configured_options(
+        config,
+        agent,
         model=model,
         agent_kwargs=parse_key_values(agent_kwarg or [], "--agent-kwarg"),
         agent_env=agent_env or [],
         environment=environment,
         environment_kwargs=parse_key_values(environment_kwarg or [], "--environment-kwarg"),
         cache_dir=cache_dir,
-        scratch_dir=None if scratch is None else Path(scratch),
-        executor=config.pick("executor", executor, "auto"),
-        partition=config.pick("partition", partition, None),
-        account=config.pick("account", account, None),
-        qos=config.pick("qos", qos, None),
-        array_parallelism=config.pick("array_parallelism", array_parallelism, None),
-        tasks_per_job=config.pick("tasks_per_job", tasks_per_job, 1),
-        concurrency=config.pick("concurrency", concurrency, 1),
+        scratch_dir=scratch_dir,
+        executor=executor,
+        partition=partition,
+        account=account,
+        qos=qos,
+        array_parallelism=array_parallelism,
+        tasks_per_job=tasks_per_job,
+        concurrency=concurrency,
         attempts=attempts,
-        # The config's time_min sizes trials; convert's --time (per image) ignores it.
-        time_min=config.pick("time_min", time_min, None),
+        time_min=time_min,
         mem_mb=mem_mb,
         cpus=cpus,
         sbatch_args=sbatch_arg or [],
@@ -294,7 +295,7 @@ def export(
     dry_run: DryRunOption = False,
     verbose: VerboseOption = 0,
 ) -> None:
-    """Write the run's rollouts as JSON lines for RL trainers (README: "Rollout schema").
+    """Write the run's rollouts as JSON lines for RL trainers (docs/results.md: "Rollout schema").
 
     full: one line per trial that ended (and per attempt that failed without one): rewards,
     per-step rewards, failure, trainable, chat messages and token ids per turn, flattened
@@ -332,8 +333,16 @@ def _warn_before_submitting(result: SubmitResult) -> None:
 
 
 def _sizing(resources: Resources) -> str:
-    gpus = f", {resources.gpus} gpus" if resources.gpus else ""
-    return f"{resources.cpus} cpus{gpus}, {resources.mem_mb} MB, {resources.time_min} min each"
+    gpus = f", {_count(resources.gpus, 'gpu')}" if resources.gpus else ""
+    memory = f"{resources.mem_mb} MB"
+    if 0 < resources.worker_mb < resources.mem_mb:  # why it asks more than the memory_mb
+        trials = resources.mem_mb - resources.worker_mb
+        memory += f" ({trials} for trials, {resources.worker_mb} for Harbor)"
+    return f"{_count(resources.cpus, 'cpu')}{gpus}, {memory}, {resources.time_min} min each"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
 
 
 def _show_submission(result: SubmitResult) -> None:
@@ -412,9 +421,12 @@ def _follow(run_dir: Path) -> None:
     reward: 0)."""
     from harbor_hpc.slurm.runs import follow
 
-    with Live(console=console, refresh_per_second=2, transient=True) as live:
-        for now in follow(run_dir):
-            live.update(_progress_view(now.summary))
+    if console.is_terminal:
+        with Live(console=console, refresh_per_second=2, transient=True) as live:
+            for now in follow(run_dir):
+                live.update(_progress_view(now.summary))
+    else:  # a log: Live would leave its last frame there, beside the line below
+        *_, now = follow(run_dir)
     info(_summary_line(now.summary))
     failed: dict[str, list[str]] = {}
     for s in now.attempts:

@@ -45,9 +45,9 @@ from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.steps import Step, done, failed
-from harbor_hpc.images import engine
 from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
 from harbor_hpc.images.dockerfile import read_dockerfile
+from harbor_hpc.images.engine import BuilderKind
 from harbor_hpc.images.reference import Reference
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import (
@@ -337,14 +337,6 @@ def _task_context(place: _Place, digests: FileDigests) -> Step[_Context]:
         return failed(f"cannot read the build context: {where}: {exc.strerror}")
 
 
-class BuilderKind(StrEnum):
-    """`build --builder`: which backend makes the images."""
-
-    AUTO = "auto"
-    DOCKER = "docker"
-    APPTAINER = "apptainer"
-
-
 class ImageAction(StrEnum):
     """What a build did for one image: nothing (it was there), a build, a push, or failed."""
 
@@ -413,17 +405,6 @@ class BuildResult:
 
 
 ProgressCallback = Callable[[PlannedImage, str], None]
-
-
-def choose_builder(kind: BuilderKind) -> tuple[BuilderKind, str]:
-    """The backend `auto` means here, and why: Docker when an engine answers, else Apptainer."""
-    if kind is not BuilderKind.AUTO:
-        return kind, "as asked"
-    try:
-        engine.ping()
-    except HarborHpcError as exc:
-        return BuilderKind.APPTAINER, f"{exc.message}; building with Apptainer instead"
-    return BuilderKind.DOCKER, f"a Docker Engine answers at {engine.where()}"
 
 
 class Builder(ABC):

@@ -20,7 +20,6 @@ from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.images import engine
 from harbor_hpc.images.build import (
     Builder,
-    BuilderKind,
     BuildPlan,
     ImageAction,
     ImageFailed,
@@ -28,6 +27,7 @@ from harbor_hpc.images.build import (
     one_line,
 )
 from harbor_hpc.images.context import DOCKERFILE
+from harbor_hpc.images.engine import BuilderKind
 from harbor_hpc.images.registry import Registry, login_hint
 from harbor_hpc.tasks.manifest import ImageRecord
 

@@ -1,4 +1,5 @@
-"""The Docker Engine the build role talks to, through DOCKER_HOST or the default socket.
+"""Which engine builds images (`BuilderKind`, `choose_builder`), and the Docker Engine the build
+role talks to, through DOCKER_HOST or the default socket.
 
 `engine_finding` is what `harbor-hpc doctor --role build` shows, `ping` what `build` asks before
 it builds with Docker (and `--builder auto` to choose Docker); `unreachable` turns whatever the
@@ -9,6 +10,7 @@ needs (the client raises DockerException, requests' errors or OSError, with long
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.probe import Finding, Status, current_user
@@ -74,3 +76,22 @@ def unreachable(exc: Exception) -> tuple[str, str]:
     if "Connection refused" in text:
         return "connection refused (is dockerd running?)", fix
     return text[-200:], fix
+
+
+class BuilderKind(StrEnum):
+    """`build --builder`: which backend makes the images."""
+
+    AUTO = "auto"
+    DOCKER = "docker"
+    APPTAINER = "apptainer"
+
+
+def choose_builder(kind: BuilderKind) -> tuple[BuilderKind, str]:
+    """The backend `auto` means here, and why: Docker when an engine answers, else Apptainer."""
+    if kind is not BuilderKind.AUTO:
+        return kind, "as asked"
+    try:
+        ping()
+    except HarborHpcError as exc:
+        return BuilderKind.APPTAINER, f"{exc.message}; building with Apptainer instead"
+    return BuilderKind.DOCKER, f"a Docker Engine answers at {where()}"

@@ -23,6 +23,15 @@ def _is_host(part: str) -> bool:
     return "." in part or ":" in part or part == "localhost"
 
 
+# Registries Docker speaks plain HTTP to without being told (loopback: its implicit insecure
+# registries); harbor-hpc does the same for Apptainer, which would need --nohttps.
+LOOPBACK_HOSTS = ("localhost", "127.", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    return host.startswith(LOOPBACK_HOSTS)
+
+
 @dataclass(frozen=True)
 class Reference:
     """`host` is the registry's (with its port), `repository` the path below it (empty for a

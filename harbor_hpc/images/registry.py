@@ -17,6 +17,7 @@ import requests
 from docker import auth
 
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.images.reference import is_loopback
 
 MANIFEST_TYPES = ", ".join(
     (
@@ -27,7 +28,6 @@ MANIFEST_TYPES = ", ".join(
     )
 )
 _TIMEOUT = 30
-_PLAIN_HTTP_HOSTS = ("localhost", "127.", "[::1]")
 
 
 def login_hint(host: str) -> str:
@@ -48,7 +48,7 @@ class Registry:
     _tokens: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.host.startswith(_PLAIN_HTTP_HOSTS):
+        if is_loopback(self.host):
             self.plain_http = True
         if self.credentials is None:
             self.credentials = _docker_login(self.host)

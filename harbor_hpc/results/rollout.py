@@ -384,8 +384,8 @@ def rollout(
     outcome: Outcome,
     counts: bool,
 ) -> Rollout:
-    """The record of one trial (`result` its parsed result.json), or of an attempt that ended
-    without one (`result` empty; `trial_dir` None when it never got a trial)."""
+    """The record of one trial of a run (`result` its parsed result.json), or of an attempt
+    that ended without one (`result` empty; `trial_dir` None when it never got a trial)."""
     task_dir = record.task_path(task)
     agent_info = result.get("agent_info") or {}
     model_info = agent_info.get("model_info") or {}
@@ -435,3 +435,30 @@ def rollout(
         "agent_metadata": (result.get("agent_result") or {}).get("metadata"),
     }
     return Rollout(line, turns, found, sum(run.llm_turns for run in runs))
+
+
+def trial_rollout(trial_dir: Path, task_dir: Path, *, attempt: int = 0) -> dict[str, Any]:
+    """The rollout line `export` would write for one Harbor trial that ran outside a
+    harbor-hpc run (a trainer's own `Trial`, on a Ray cluster say): from the trial's folder and
+    the task's. Raises `HarborHpcError` when the trial left no readable result.json."""
+    result = read_json(trial_dir / "result.json")
+    agent_info = result.get("agent_info") or {}
+    record = RunRecord(
+        tasks_root=str(task_dir.parent),
+        tasks=[task_dir.name],
+        agent=str(agent_info.get("name") or ""),
+        model=(agent_info.get("model_info") or {}).get("name"),
+        agent_kwargs={},
+        environment="",
+        environment_kwargs={},
+        options={},
+    )
+    return rollout(
+        record,
+        task=task_dir.name,
+        attempt=attempt,
+        trial_dir=trial_dir,
+        result=result,
+        outcome=outcome_of_result(result),
+        counts=True,
+    ).line

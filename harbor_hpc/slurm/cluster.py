@@ -23,14 +23,15 @@ import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cache
 from pathlib import Path
-from typing import Any
-
-import submitit
-from submitit.core.utils import FailedJobError, FailedSubmissionError, UncompletedJobError
+from typing import TYPE_CHECKING, Any
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.proc import QUICK_TIMEOUT_S, Ran, run
+
+if TYPE_CHECKING:  # submitit loads when a job is queued or awaited: `status` needs squeue only
+    import submitit
 
 # squeue, sinfo and scontrol answer from the controller's memory: seconds even when it is busy.
 QUERY_TIMEOUT_S = QUICK_TIMEOUT_S
@@ -323,25 +324,32 @@ class JobRequest:
     sbatch: dict[str, Any] = field(default_factory=dict)
 
 
-class _BoundedSlurmExecutor(submitit.SlurmExecutor):
+@cache
+def _bounded_slurm_executor() -> type[submitit.SlurmExecutor]:
     """submitit's Slurm executor with sbatch under coreutils' `timeout`: submitit itself waits
-    for sbatch without a limit."""
+    for sbatch without a limit. (A class made on first use: submitit loads only then.)"""
+    import submitit
 
-    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-        sbatch = super()._make_submission_command(submission_file_path)
-        return ["timeout", "--kill-after=5", f"{SBATCH_TIMEOUT_S:g}", *sbatch]
+    class BoundedSlurmExecutor(submitit.SlurmExecutor):
+        def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+            sbatch = super()._make_submission_command(submission_file_path)
+            return ["timeout", "--kill-after=5", f"{SBATCH_TIMEOUT_S:g}", *sbatch]
+
+    return BoundedSlurmExecutor
 
 
 def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Executor:
     """The submitit executor for `request`: Slurm array jobs, or local processes (which take
     only the time limit: there is no scheduler to ask for memory or CPUs)."""
+    import submitit
+
     if where is Executor.LOCAL:
         local = submitit.LocalExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
         local.update_parameters(
             timeout_min=request.time_min, signal_delay_s=requeue_warning_s(request.time_min)
         )
         return local
-    slurm = _BoundedSlurmExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
+    slurm = _bounded_slurm_executor()(folder=folder, max_num_timeout=MAX_REQUEUES)
     parameters: dict[str, Any] = {
         "job_name": request.name,
         "time": request.time_min,
@@ -374,6 +382,8 @@ def submit_array(
 ) -> list[submitit.Job[Any]]:
     """Queue `function` over `arguments` as one array job; a refusal by sbatch (or an sbatch
     that does not answer) is a `SlurmError` naming `what`."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
     # submitit prints a refusing sbatch's stderr as it raises it: the error carries it already.
     printed = io.StringIO()
     try:
@@ -440,6 +450,8 @@ def await_array(
 
 
 def _outcome(job: submitit.Job[Outcome]) -> Outcome:
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
     try:
         return job.result()
     except (FailedJobError, UncompletedJobError) as exc:

@@ -12,7 +12,7 @@ start, so they are cut to that node.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from harbor_hpc.core.errors import InputError
@@ -39,6 +39,9 @@ class Resources:
     # The GPU types the tasks accept (task.toml's spelling until fit to a partition's, which
     # keeps the one Slurm will be asked for).
     gpu_types: tuple[str, ...] = ()
+    # Of mem_mb, what the element's own processes (Harbor, the worker) get beside its trials'
+    # memory_mb; 0 when the user sized the element (--mem).
+    worker_mb: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +100,7 @@ def element_resources(tasks: list[Task], *, trials: int, concurrency: int) -> Re
         parallel * cpus,
         parallel * most.gpus,
         most.gpu_types,
+        WORKER_MEMORY_MB,
     )
 
 
@@ -119,10 +123,9 @@ def fit_to_node(resources: Resources, limits: NodeLimits | None) -> Resources:
                 "GRES yourself (--sbatch-arg gres=gpu:TYPE:N)",
             )
         gpu_types = (chosen[0],)
-    return Resources(
-        resources.time_min,
-        min(resources.mem_mb, limits.mem_mb),
-        min(resources.cpus, limits.cpus),
-        resources.gpus,
-        gpu_types,
+    return replace(
+        resources,
+        mem_mb=min(resources.mem_mb, limits.mem_mb),
+        cpus=min(resources.cpus, limits.cpus),
+        gpu_types=gpu_types,
     )

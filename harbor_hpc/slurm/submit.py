@@ -112,6 +112,31 @@ class SubmitOptions:
         return {key: getattr(self, key) for key in keys}
 
 
+# The options a harbor-hpc.toml may set for a run, by the config key that names the field.
+CONFIGURED = (
+    "scratch_dir",
+    "executor",
+    "partition",
+    "account",
+    "qos",
+    "array_parallelism",
+    "tasks_per_job",
+    "concurrency",
+    "time_min",
+)
+
+
+def configured_options(config: Config, agent: str, **given: Any) -> SubmitOptions:
+    """The run's options as the CLI's flags and the Python API meet harbor-hpc.toml: what was
+    given (None: not given), else the config file's value, else the default."""
+    values = {key: value for key, value in given.items() if value is not None}
+    for key in CONFIGURED:
+        if key not in values and key in config.values:
+            value = config.values[key]
+            values[key] = Path(value) if key == "scratch_dir" else value
+    return SubmitOptions(agent=agent, **values)
+
+
 @dataclass
 class Group:
     """Tasks whose trials ask for the same resources, chunked on their own into the elements
@@ -225,8 +250,8 @@ def image_problem(task: Task, check: ReferenceCheck) -> str | None:
     image = task.docker_image
     if not image:
         return (
-            f"{task.task_toml}: no environment.docker_image "
-            "(run `harbor-hpc convert` and `harbor-hpc rewrite` first)"
+            f"{task.task_toml}: no environment.docker_image (run `harbor-hpc build`, then "
+            "`harbor-hpc rewrite --sif`; after a Docker build, `harbor-hpc convert` before it)"
         )
     problem = _image_problem(image, task.environment_dir, check)
     if problem is not None:
@@ -237,7 +262,12 @@ def image_problem(task: Task, check: ReferenceCheck) -> str | None:
 def _image_problem(image: str, folder: Path, check: ReferenceCheck) -> str | None:
     sif = sif_file(image, folder)
     if sif is not None:
-        return None if sif.is_file() else f"{image} does not exist (run `harbor-hpc convert`)"
+        return (
+            None
+            if sif.is_file()
+            else f"{image} does not exist (build or convert into that store, or run "
+            "`harbor-hpc rewrite --sif` with the manifest that has its .sif)"
+        )
     why = check(image)
     if why is None:
         return None
@@ -260,8 +290,8 @@ def _verifier_image_problem(task: Task, check: ReferenceCheck) -> str | None:
             return None  # the verifier runs in the task's own image
         return (
             f"{task.task_toml}: the separate verifier builds tests/{built[0]} but sets no "
-            "verifier.environment.docker_image (run `harbor-hpc build`, `convert` and "
-            "`rewrite` first)"
+            "verifier.environment.docker_image (run `harbor-hpc build`, then `harbor-hpc "
+            "rewrite --sif`)"
         )
     # Harbor gives the verifier tests/ as its folder.
     problem = _image_problem(image, task.tests_dir, check)
@@ -707,6 +737,7 @@ def _resources(
         options.get("cpus") or derived.cpus,
         derived.gpus,
         derived.gpu_types,
+        0 if options.get("mem_mb") else derived.worker_mb,
     )
 
 

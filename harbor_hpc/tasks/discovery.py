@@ -143,10 +143,19 @@ class Discovery:
 
 
 def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
-    """Every task under `root`, sorted by relative path, plus the problems met on the way."""
+    """Every task under `root`, sorted by relative path, plus the problems met on the way. A
+    `root` that is itself a task is that one task, named by its folder as in its parent."""
     root = root.expanduser().absolute()
     if not root.is_dir():
         raise InputError(f"{root}: not a folder", hint="pass the folder that holds your tasks")
+    if (root / TASK_FILE).is_file() and root.parent != root:
+        one = Discovery(root.parent)
+        task_or_problem = load_task(root.parent, root, require_dockerfile=require_dockerfile)
+        if isinstance(task_or_problem, Task):
+            one.tasks.append(task_or_problem)
+        else:
+            one.problems.append(task_or_problem)
+        return one
     found = Discovery(root)
     seen: dict[Path, Path] = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):

@@ -209,18 +209,18 @@ def test_harbor_switches_the_policy_between_agent_and_verifier(
     assert reward(result) == 1.0, (result.get("exception_info"), seen and seen.read_text())
 
 
-def test_the_readme_table_is_what_the_environment_declares() -> None:
-    """Each capability the README's table names is declared where the node can enforce it, and
-    those it says are not there yet are not."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    table = readme.split("| a task asks for | Harbor's capability | here |", 1)[1].split("\n\n")[0]
+def test_the_docs_table_is_what_the_environment_declares() -> None:
+    """Each capability the table of docs/environment.md names is declared where the node can
+    enforce it, and those it says are not there yet are not."""
+    page = (Path(__file__).parents[2] / "docs" / "environment.md").read_text()
+    table = page.split("| a task asks for | Harbor's capability | here |", 1)[1].split("\n\n")[0]
     declared = environment_capabilities(mounted=True, egress=True).model_dump()
     named = {}
     for row in table.strip().splitlines()[1:]:
         _, capability, here = (cell.strip() for cell in row.strip("|").split("|"))
         for name in re.findall(r"`(\w+)`", capability):
             named[name] = not here.startswith("not yet")
-    assert named, "the README's table names no capability"
+    assert named, "the docs' table names no capability"
     for name, given in named.items():
         assert declared[name] is given, name
     # Each allowlist entry kind goes with the allowlist.

@@ -1,4 +1,5 @@
-"""The README's quick start, run as written: the whole flow on the bundled example tasks.
+"""examples/quickstart.sh, run as written: the whole flow on the bundled example tasks, with
+Docker (tests/e2e/test_readme.py runs the README's own quick start, without Docker).
 
 It runs as whoever runs pytest, and CI runs pytest as its ordinary user (HARBOR_HPC_TEST_USER,
 not root), so the cluster half (convert, rewrite, submit, status, export) is checked as a
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -55,36 +55,3 @@ def test_quickstart_runs_the_examples_to_reward_one_and_a_rerun_does_nothing(
     assert again.returncode == 0, again.stdout + again.stderr
     assert "nothing to submit" in again.stdout + again.stderr
     assert len(list((work / "run" / "trials").iterdir())) == 3
-
-
-@pytest.mark.docker  # test setup pushes the base image into the registry with Docker
-@pytest.mark.registry
-@pytest.mark.apptainer
-@pytest.mark.slurm
-def test_without_docker_the_quickstart_builds_with_apptainer_into_its_own_store(
-    base_image: str, tmp_path: Path
-) -> None:
-    # Most cluster users have no Docker: `build` then makes each .sif with Apptainer, FROM the
-    # base image in a registry (Apptainer cannot see Docker's images), into the quick start's
-    # store, where convert finds them and submit uses them.
-    work = tmp_path / "quickstart"
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-        "DOCKER_HOST": f"unix://{tmp_path / 'no-docker.sock'}",  # no Docker Engine answers
-        "HARBOR_HPC_BASE_IMAGE": base_image,
-    }
-    command = ["bash", str(REPO / "examples" / "quickstart.sh"), str(work)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rollouts = [json.loads(line) for line in (work / "rollouts.jsonl").read_text().splitlines()]
-    assert sorted((r["task"], r["reward"]) for r in rollouts) == [
-        ("fix-python", 1.0),
-        ("hello-world", 1.0),
-        ("word-count", 1.0),
-    ]
-    manifest = json.loads((work / "manifest.json").read_text())
-    sifs = {Path(record["sif"]) for record in manifest["images"].values()}
-    assert len(sifs) == 2 and all(sif.parent == work / "sif" and sif.is_file() for sif in sifs)
-    assert f"2 cached (store: {work / 'sif'})" in done.stdout + done.stderr
-    assert stat.S_IMODE((work / "rollouts.jsonl").stat().st_mode) == 0o600

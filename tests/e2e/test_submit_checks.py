@@ -172,8 +172,9 @@ def test_image_check_covers_the_separate_verifier(tmp_path: Path) -> None:
     gone = tmp_path / "gone.sif"
     missing = _task(tmp_path / "4", f'environment = {{ docker_image = "{gone}" }}\n')
     assert image_problem(missing, CHECK) == (
-        f"{missing.task_toml}: verifier.environment.docker_image {gone} does not exist "
-        "(run `harbor-hpc convert`)"
+        f"{missing.task_toml}: verifier.environment.docker_image {gone} does not exist (build "
+        "or convert into that store, or run `harbor-hpc rewrite --sif` with the manifest that "
+        "has its .sif)"
     )
     gone.write_text("")
     assert image_problem(missing, CHECK) is None

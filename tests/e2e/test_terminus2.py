@@ -261,7 +261,7 @@ def test_a_drifting_template_and_a_multi_step_task_export_honestly(
 def test_the_trainer_example_gets_the_servers_tokens_back_in_python(
     debian_sif: Path, tmp_path: Path
 ) -> None:
-    """examples/rollouts.py, as a trainer would run it: harbor_hpc.rollouts in its own process,
+    """examples/rollouts.py, as a trainer would run it: harbor_hpc.api in its own process,
     the trials as local processes (no Slurm), each rollout's policy tokens those the server
     sent."""
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))

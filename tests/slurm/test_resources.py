@@ -51,7 +51,9 @@ def test_resources_follow_the_tasks(tmp_path: Path) -> None:
     assert one.cpus == 1 and four.cpus == 2
     assert four.mem_mb == 2 * 1024 + one.mem_mb - 1024
     assert four.time_min > one.time_min  # two waves of two
-    assert fit_to_node(four, NodeLimits(cpus=1, mem_mb=1000)) == Resources(four.time_min, 1000, 1)
+    assert fit_to_node(four, NodeLimits(cpus=1, mem_mb=1000)) == Resources(
+        four.time_min, 1000, 1, worker_mb=four.worker_mb
+    )
 
 
 def test_gpu_types_become_the_partitions_name_for_them(tmp_path: Path) -> None:

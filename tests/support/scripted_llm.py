@@ -3,7 +3,9 @@
 It answers what litellm's `openai/<model>` provider sends with `api_base=<server>.url`:
 `POST /v1/chat/completions` (not streamed; Harbor's LiteLLM refuses streams anyway) and, for
 manual pokes, `GET /v1/models`. The n-th request gets the n-th reply of the script (the last
-one again once the script is used up). Like vLLM's OpenAI server, a request with
+one again once the script is used up); with `each_conversation` (the command line's way), a
+request whose history holds n assistant replies gets reply n instead, so that every conversation
+gets the whole script, in order, however many run at once. Like vLLM's OpenAI server, a request with
 `"logprobs": true` gets `choices[0].logprobs.content[]` (token, logprob, bytes, top_logprobs)
 and one with `"return_token_ids": true` gets `prompt_token_ids` (top level) and
 `choices[0].token_ids`: what Harbor's LiteLLM reads when `collect_rollout_details=True`.
@@ -92,12 +94,14 @@ class ScriptedLLM:
         model: str = "scripted",
         port: int = 0,
         rewrite_history: bool = False,
+        each_conversation: bool = False,
     ) -> None:
         if not script:
             raise ValueError("the script needs at least one reply")
         self.replies = [r if isinstance(r, str) else json.dumps(r, indent=2) for r in script]
         self.model = model
         self.rewrite_history = rewrite_history
+        self.each_conversation = each_conversation
         self.exchanges: list[Exchange] = []
         self._lock = threading.Lock()
         self._http = _Server(("127.0.0.1", port), _Handler)
@@ -133,9 +137,13 @@ class ScriptedLLM:
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
         """The chat completion answering `request`, recorded in `exchanges`."""
         with self._lock:
-            turn = len(self.exchanges)
-            reply = self.replies[min(turn, len(self.replies) - 1)]
             messages = request.get("messages") or []
+            turn = (
+                sum(1 for message in messages if message.get("role") == "assistant")
+                if self.each_conversation
+                else len(self.exchanges)
+            )
+            reply = self.replies[min(turn, len(self.replies) - 1)]
             prompt_ids = encode(render_prompt(messages, rewrite_history=self.rewrite_history))
             completion_ids = encode(reply)
             logprobs = [logprob_of(i, t) for i, t in enumerate(completion_ids)]
@@ -146,7 +154,7 @@ class ScriptedLLM:
                 "logprobs": None,
             }
             response: dict[str, Any] = {
-                "id": f"chatcmpl-scripted-{turn}",
+                "id": f"chatcmpl-scripted-{len(self.exchanges)}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": request.get("model") or self.model,
@@ -233,13 +241,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", default="scripted")
     args = parser.parse_args(argv)
     script = json.loads(args.script.read_text())
-    with ScriptedLLM(script, model=args.model, port=args.port) as llm:
-        print(f"serving {len(llm.replies)} replies at {llm.url} (model openai/{llm.model})")
+    with ScriptedLLM(script, model=args.model, port=args.port, each_conversation=True) as llm:
+        print(
+            f"serving {len(llm.replies)} replies at {llm.url} (model openai/{llm.model})",
+            flush=True,
+        )
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
-            print(f"{len(llm.exchanges)} requests answered")
+            print(f"{len(llm.exchanges)} requests answered", flush=True)
 
 
 if __name__ == "__main__":

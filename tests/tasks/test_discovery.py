@@ -15,6 +15,18 @@ def make_task(folder: Path, toml: str = "", dockerfile: bool = True) -> Path:
     return folder
 
 
+def test_a_task_folder_given_itself_is_that_one_task_named_as_in_its_parent(
+    tmp_path: Path,
+) -> None:
+    task = make_task(tmp_path / "tasks" / "hello-world")
+    make_task(tmp_path / "tasks" / "other")
+
+    found = discover_tasks(task)
+
+    assert found.root == tmp_path / "tasks"
+    assert [t.rel for t in found.tasks] == ["hello-world"] and found.problems == []
+
+
 def test_finds_tasks_at_any_depth_and_reports_problems(tmp_path: Path) -> None:
     make_task(tmp_path / "a", '[environment]\ndocker_image = "img"\nmemory_mb = 512\n')
     make_task(tmp_path / "deep" / "er" / "b", "[agent]\ntimeout_sec = 30\n")
@@ -44,7 +56,7 @@ def test_finds_tasks_at_any_depth_and_reports_problems(tmp_path: Path) -> None:
 def test_dockerfile_optional_and_root_task(tmp_path: Path) -> None:
     make_task(tmp_path, dockerfile=False)
     found = discover_tasks(tmp_path, require_dockerfile=False)
-    assert [t.rel for t in found.tasks] == ["."]
+    assert [t.rel for t in found.tasks] == [tmp_path.name]
 
 
 def test_missing_root_is_input_error(tmp_path: Path) -> None:

@@ -1,0 +1,69 @@
+"""harbor-hpc from Python: everything a trainer or a script uses, in one place.
+
+    from harbor_hpc.api import RolloutRequest, run_rollouts, run_status, export
+
+The names below are the supported surface (docs/python.md says what each does); every other
+module is internal and may change. Like the CLI, the functions read harbor-hpc.toml for what
+they are not given, and raise `HarborHpcError` (its `hint` says what to do, `exit_code` is the
+CLI's) for what a user can cause.
+
+- Run and read runs: `run_rollouts(RolloutRequest(...))` is `submit --wait` plus `export`;
+  `run_status(run_dir)` is `status`; `export(run_dir, out, fmt=...)` is `export`;
+  `rollout_lines(run_dir, run_status(run_dir).attempts, fmt=...)` the lines without a file;
+  `trial_rollout(trial_dir, task_dir)` the line of one Harbor trial a trainer ran itself.
+- The Harbor environments, for a trainer that builds Harbor trials itself:
+  `SingularityEnvironment` (the container beside the process) and `RaySingularityEnvironment`
+  (the container on a Ray cluster's node; the `ray` extra).
+- The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input) and
+  the environment's own, whose names `status` classifies (`MemoryLimitExceeded`,
+  `EnvironmentHostUnavailable`, ...).
+- Configuration: `load_config()`, the harbor-hpc.toml the CLI would read here.
+"""
+
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.apptainer.errors import (
+    ContainerDied,
+    ContainerStartFailed,
+    EnvironmentHostUnavailable,
+    ImageUnavailable,
+    MemoryLimitExceeded,
+    SetupScriptFailed,
+    UnsupportedTask,
+)
+from harbor_hpc.core.config import Config, load_config
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.ray.environment import RaySingularityEnvironment
+from harbor_hpc.results.classify import AttemptState, FailureClass
+from harbor_hpc.results.export import Export, ExportFormat, rollout_lines
+from harbor_hpc.results.rollout import trial_rollout
+from harbor_hpc.results.status import AttemptStatus, RunStatus
+from harbor_hpc.rollouts import RolloutRequest, run_rollouts
+from harbor_hpc.slurm.runs import export, run_status
+
+__all__ = [
+    "AttemptState",
+    "AttemptStatus",
+    "Config",
+    "ContainerDied",
+    "ContainerStartFailed",
+    "EnvironmentHostUnavailable",
+    "Export",
+    "ExportFormat",
+    "FailureClass",
+    "HarborHpcError",
+    "ImageUnavailable",
+    "InputError",
+    "MemoryLimitExceeded",
+    "RaySingularityEnvironment",
+    "RolloutRequest",
+    "RunStatus",
+    "SetupScriptFailed",
+    "SingularityEnvironment",
+    "UnsupportedTask",
+    "export",
+    "load_config",
+    "rollout_lines",
+    "run_rollouts",
+    "run_status",
+    "trial_rollout",
+]
