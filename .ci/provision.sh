@@ -367,7 +367,7 @@ part_slurm() {
   defmem=$((real_mem / cpus))
   tmp=$(mktemp)
   sed -e "s/@HOSTNAME@/$SLURM_HOST/g" -e "s/@CPUS@/$cpus/g" -e "s/@REALMEMORY@/$real_mem/g" \
-    -e "s/@DEFMEMPERCPU@/$defmem/g" "$REPO_DIR/slurm/slurm.conf.in" >"$tmp"
+    -e "s/@DEFMEMPERCPU@/$defmem/g" "$CI_DIR/slurm.conf.in" >"$tmp"
   mkdir -p /etc/slurm
   if ! cmp -s "$tmp" /etc/slurm/slurm.conf; then
     install -m 644 "$tmp" /etc/slurm/slurm.conf
@@ -626,6 +626,117 @@ servers[0].serve_forever()
 }
 
 # ----------------------------------------------------------------------------------------------
+# 5e. Three Slurm nodes on this machine (n1..n3, partition multi), beside the one-node cluster:
+# each node is a slurmd in a network namespace of its own (its address on a bridge, no default
+# route, as compute nodes often have none), a UTS namespace (its own hostname) and a mount
+# namespace with its own /tmp (node-local scratch); one slurmctld of their own (ports 6827/6828,
+# its own state). Users reach it with SLURM_CONF=$MULTI_CONF. Homes and $SHARED_DIR are shared.
+MULTI_CONF=/etc/slurm-multi/slurm.conf
+MULTI_NET=10.77.0
+MULTI_BRIDGE=hh-multi0
+MULTI_NODES=(n1 n2 n3)
+MULTI_TMP=/var/tmp/harbor-hpc-nodes # each node's /tmp is its folder here
+SHARED_DIR=/srv/harbor-hpc-shared   # a work folder every node sees (as a cluster's /scratch)
+multi() { SLURM_CONF=$MULTI_CONF timeout 10 "$@"; }
+multi_ctld_up() { multi scontrol ping 2>/dev/null | grep -q 'is UP'; }
+multi_usable() { [ "$(multi sinfo -h -N -p multi -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc|comp)')" = "${#MULTI_NODES[@]}" ]; }
+multi_node_net() { # NODE INDEX: its namespace, veth pair on the bridge, address, /etc/hosts line
+  local node=$1 i=$2 ns=hh-$1
+  if ! ip netns list | grep -qw "$ns"; then
+    ip netns add "$ns"
+    ip link add "hh-$node-h" type veth peer name "hh-$node-c"
+    ip link set "hh-$node-h" master "$MULTI_BRIDGE" up
+    ip link set "hh-$node-c" netns "$ns"
+    ip -n "$ns" addr add "$MULTI_NET.1$i/24" dev "hh-$node-c"
+    ip -n "$ns" link set "hh-$node-c" up
+    ip -n "$ns" link set lo up
+  fi
+  grep -q "^$MULTI_NET.1$i $node\$" /etc/hosts || echo "$MULTI_NET.1$i $node" >>/etc/hosts
+}
+# The checkout being tested stays visible on the nodes when it lives under /tmp (a CI clone, its
+# venv): bound back into each node's own /tmp, as a shared filesystem holds it on a cluster.
+multi_keep() { case "$REPO_DIR" in /tmp/*) echo "$REPO_DIR" ;; *) echo "" ;; esac; }
+multi_slurmd_start() { # NODE: slurmd in the node's namespaces, /tmp its own
+  local node=$1 keep host_tmp=/run/harbor-hpc-host-tmp
+  keep=$(multi_keep)
+  install -d -m 1777 "$MULTI_TMP/$node"
+  install -d -m 700 "$host_tmp"
+  clear_stale_pidfile "/run/slurmd-multi-$node.pid" slurmd
+  nsenter --net="/run/netns/hh-$node" unshare --uts --mount --propagation slave sh -ec "
+    hostname $node
+    mount --bind /tmp $host_tmp
+    mount --bind $MULTI_TMP/$node /tmp
+    if [ -n '$keep' ]; then mkdir -p '$keep' && mount --bind '$host_tmp${keep#/tmp}' '$keep'; fi
+    exec slurmd -f $MULTI_CONF -N $node" 9>&-
+}
+part_multinode() {
+  local notes=() i node tmp cpus mem_mb real_mem changed=0
+  watch_log /var/log/slurm/slurmctld-multi.log
+  if ! ip link show "$MULTI_BRIDGE" >/dev/null 2>&1; then
+    ip link add "$MULTI_BRIDGE" type bridge
+    ip addr add "$MULTI_NET.1/24" dev "$MULTI_BRIDGE"
+    ip link set "$MULTI_BRIDGE" up
+    notes+=("bridge made")
+  fi
+  # Docker sets FORWARD to DROP: traffic between nodes crosses the bridge through it.
+  iptables -C FORWARD -i "$MULTI_BRIDGE" -o "$MULTI_BRIDGE" -j ACCEPT 2>/dev/null ||
+    iptables -I FORWARD -i "$MULTI_BRIDGE" -o "$MULTI_BRIDGE" -j ACCEPT
+  for i in "${!MULTI_NODES[@]}"; do multi_node_net "${MULTI_NODES[$i]}" "$((i + 1))"; done
+  install -d -m 1777 "$SHARED_DIR"
+
+  cpus=$(nproc)
+  mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 }' /proc/meminfo)
+  real_mem=$((mem_mb * 90 / 100 / ${#MULTI_NODES[@]})) # the machine's memory, shared
+  tmp=$(mktemp)
+  sed -e "s/@HOSTNAME@/$(hostname -s)/g" -e "s/@NET@/$MULTI_NET/g" -e "s/@CPUS@/$cpus/g" \
+    -e "s/@REALMEMORY@/$real_mem/g" -e "s/@DEFMEMPERCPU@/$((real_mem / cpus))/g" \
+    "$CI_DIR/slurm-multi.conf.in" >"$tmp"
+  install -d -m 755 /etc/slurm-multi /var/spool/slurmctld-multi /var/spool/slurmd-multi
+  if ! cmp -s "$tmp" "$MULTI_CONF"; then
+    install -m 644 "$tmp" "$MULTI_CONF"
+    changed=1
+  fi
+  rm -f "$tmp"
+  if [ "$changed" = 1 ]; then
+    stop_pid /run/slurmctld-multi.pid slurmctld && notes+=("restarting for the new slurm.conf")
+  fi
+  # The nodes see the checkout they were started with: another one's nodes start again.
+  if [ "$changed" = 1 ] || [ "$(cat "$STATE/multinode-checkout" 2>/dev/null)" != "$(multi_keep)" ]; then
+    for node in "${MULTI_NODES[@]}"; do
+      stop_pid "/run/slurmd-multi-$node.pid" slurmd && notes+=("slurmd $node stopped") || true
+    done
+  fi
+  if multi_ctld_up; then
+    notes+=("slurmctld reused")
+  else
+    clear_stale_pidfile /run/slurmctld-multi.pid slurmctld
+    slurmctld -i -f "$MULTI_CONF" 9>&-
+    wait_for 30 "the multi-node slurmctld (scontrol ping)" multi_ctld_up
+    notes+=("slurmctld started")
+  fi
+  for node in "${MULTI_NODES[@]}"; do
+    if pid_alive "/run/slurmd-multi-$node.pid" slurmd; then continue; fi
+    multi_slurmd_start "$node"
+    notes+=("slurmd $node started")
+  done
+  multi_keep >"$STATE/multinode-checkout"
+  for ((i = 0; i < 120; i++)); do
+    multi_usable && break
+    multi scontrol update nodename="n[1-3]" state=resume >/dev/null 2>&1 || true
+    sleep 0.5
+  done
+  multi_usable || die "the multi-node cluster's nodes are not all up after 60 s: $(multi sinfo -N 2>&1 | tr '\n' ' ')"
+  if [[ "${notes[*]}" == *started* ]]; then
+    multi srun -N3 -n3 -t 1 -Q hostname >/dev/null || die "srun -N3 hostname failed on the multi-node cluster"
+    notes+=("srun -N3 ok")
+  fi
+  PART_NOTE=$(
+    IFS=,
+    echo "${notes[*]:-all reused}; nodes ${MULTI_NODES[*]} up"
+  )
+}
+
+# ----------------------------------------------------------------------------------------------
 # 5c. Ordinary users: TEST_USER runs the tests (what cluster users are), OTHER_USER is "another
 # user" that TEST_USER becomes with sudo (no password, no root needed in the tests).
 SUBID_COUNT=65536
@@ -826,6 +937,9 @@ export HARBOR_HPC_TEST_USER=$TEST_USER
 export HARBOR_HPC_TEST_OTHER_USER=$OTHER_USER
 export HARBOR_HPC_TEST_SLURM_PARTITION=debug
 export HARBOR_HPC_TEST_EGRESS_HOST=$EGRESS_HOST
+export HARBOR_HPC_TEST_MULTI_SLURM_CONF=$MULTI_CONF
+export HARBOR_HPC_TEST_SHARED_DIR=$SHARED_DIR
+export HARBOR_HPC_TEST_MULTI_NODE_TMP=$MULTI_TMP
 EOF
   chmod 644 "$tmp"
   if cmp -s "$tmp" "$ENV_FILE"; then
@@ -853,6 +967,7 @@ bg_wait 5a-apptainer-fetch
 timed "5b apptainer install" part_apptainer_install
 timed "5c test users" part_users
 timed "5d egress test host" part_egress_host
+timed "5e multi-node slurm" part_multinode
 bg_wait 6a-rootfs-python
 bg_wait 6b-rootfs-nopython
 timed "6c base images" part_images

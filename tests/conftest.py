@@ -3,7 +3,8 @@
 Integration tests are marked by the real part they need: docker, registry, slurm, apptainer,
 other_user (another local user that the tests can act as: tests/support/users.py), lab_group
 (that user and the tester share a group, as a lab does), small_disk (a filesystem of the tester's
-own to fill: tests/support/small_disk.py), ray (Ray, the `ray` extra: tests/ray).
+own to fill: tests/support/small_disk.py), ray (Ray, the `ray` extra: tests/ray), egress (the
+egress test host), multinode (the three-node Slurm cluster beside the one-node one: `MultiNode`).
 
 Where a part is missing the test skips, so `uv run pytest` passes on a laptop. CI sets
 HARBOR_HPC_REQUIRE_INTEGRATION=1, which turns every such skip into a failure. Whether a part
@@ -24,6 +25,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -61,6 +63,7 @@ PARTS = (
     "small_disk",
     "ray",
     "egress",
+    "multinode",
 )
 
 
@@ -79,7 +82,30 @@ def missing(part: str) -> str | None:
         return ray_missing()
     if part == "egress":
         return _egress_missing()
+    if part == "multinode":
+        return _multinode_missing()
     return doctor.part_problem(part)
+
+
+def _multinode_missing() -> str | None:
+    conf = os.environ.get("HARBOR_HPC_TEST_MULTI_SLURM_CONF", "")
+    shared = os.environ.get("HARBOR_HPC_TEST_SHARED_DIR", "")
+    if not conf or not Path(conf).is_file():
+        return "HARBOR_HPC_TEST_MULTI_SLURM_CONF names no slurm.conf (.ci/provision.sh makes one)"
+    if not shared or not os.access(shared, os.W_OK):
+        return f"HARBOR_HPC_TEST_SHARED_DIR={shared!r} is not a folder you can write"
+    try:
+        ran = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"], env={**os.environ, "SLURM_CONF": conf},
+            capture_output=True, text=True, timeout=15,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo of the multi-node cluster failed: {exc}"
+    states = dict(line.split() for line in ran.stdout.splitlines() if len(line.split()) == 2)
+    up = [node for node, state in states.items() if state in ("idle", "mix", "alloc")]
+    if len(up) < 3:
+        return f"the multi-node cluster ({conf}) has {len(up)} node(s) up: {states or ran.stderr}"
+    return None
 
 
 def _egress_missing() -> str | None:
@@ -179,6 +205,51 @@ def debian_sif() -> Path:
     """The test base image (python3 included) as a .sif, from the local Docker daemon: built
     once per session, readable by every local user."""
     return built_ahead("debian_sif")
+
+
+@dataclass(frozen=True)
+class MultiNode:
+    """The three-node Slurm cluster .ci/provision.sh makes beside the one-node one (n1..n3 in
+    partition `multi`, each node its own network, hostname and /tmp), and a folder of the
+    test's own that every node sees (their /tmp is each node's own, pytest's tmp_path too)."""
+
+    conf: Path
+    work: Path
+    # Each node's /tmp, as this machine sees it.
+    node_tmp: dict[str, Path]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """This environment with the multi-node cluster as the one Slurm's commands talk to."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+
+def _shared_work(prefix: str) -> Path:
+    root = Path(os.environ["HARBOR_HPC_TEST_SHARED_DIR"])
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getuid()}-", dir=root))
+
+
+@pytest.fixture
+def multinode() -> Iterator[MultiNode]:
+    work = _shared_work("test")
+    nodes_tmp = Path(os.environ.get("HARBOR_HPC_TEST_MULTI_NODE_TMP", "/var/tmp/harbor-hpc-nodes"))
+    yield MultiNode(
+        Path(os.environ["HARBOR_HPC_TEST_MULTI_SLURM_CONF"]),
+        work,
+        {node: nodes_tmp / node for node in ("n1", "n2", "n3")},
+    )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def multinode_sif(debian_sif: Path) -> Iterator[Path]:
+    """The test base image's .sif where every node of the multi-node cluster sees it."""
+    folder = _shared_work("sif")
+    folder.chmod(0o755)
+    sif = folder / "debian.sif"
+    shutil.copyfile(debian_sif, sif)
+    yield sif
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

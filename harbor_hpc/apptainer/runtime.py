@@ -20,6 +20,9 @@ from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.proc import Ran, run
 
 BINARIES = ("apptainer", "singularity")
+# The FUSE helpers Apptainer's starter runs beside a container (its image, its overlay): its
+# children, in the container's mount namespace, which they keep alive while they run.
+FUSE_HELPERS = frozenset({"squashfuse", "squashfuse_ll", "fuse-overlayfs", "fuse2fs"})
 
 # A probe is one `exec` of a shell; a minute means a hung FUSE mount or a wedged starter, not
 # a slow image.

@@ -30,7 +30,7 @@ from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_json, atomic_write_text, read_json
-from harbor_hpc.ray.node import address_file, use_token
+from harbor_hpc.ray.node import address_file, failures, use_token
 
 INSTALL_HINT = (
     "install the extra: pip install 'harbor-hpc[ray]' (in a checkout: uv sync --extra ray)"
@@ -310,6 +310,10 @@ class _JobWatch:
             return ""
         return f", pending (Slurm: {self._told[1]})"
 
+    def failures(self) -> str:
+        """What the job's nodes said when Ray would not start on them."""
+        return "; ".join(failures(self.log.parent, self.job_id))
+
     def what_to_check(self) -> str:
         if self._told is not None and self._told[1].startswith(_BEYOND_LIMITS):
             return f"it asks for {_BEYOND}"
@@ -343,8 +347,10 @@ def _await[T](ready: Callable[[], T], job: _JobWatch, timeout: float, waiting_fo
         if answer:
             return answer
         if not job.queued():
+            failures = job.failures()
             raise HarborHpcError(
-                f"Ray cluster job {job.job_id} ended while waiting for {waiting_for}",
+                f"Ray cluster job {job.job_id} ended while waiting for {waiting_for}"
+                + (f": {failures}" if failures else ""),
                 hint=f"see its log {job.log}",
             )
         if time.monotonic() > deadline:

@@ -12,10 +12,16 @@ token is read from the 0600 file in DIR (RAY_AUTH_TOKEN_PATH); it is never an ar
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import ipaddress
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -23,14 +29,21 @@ from types import FrameType
 
 import psutil
 
+from harbor_hpc.apptainer.runtime import FUSE_HELPERS
 from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.core.files import atomic_write_text
+from harbor_hpc.slurm import cluster
 
 # How often the head looks for Ray's address file, and workers for the head's address.
 POLL_S = 0.5
 # How long Ray may take to stop when the job ends, before the temporary folder is removed:
 # well within the seconds Slurm gives a cancelled step before it kills it (KillWait).
 STOP_S = 2.0
+# A worker whose `ray start` fails this soon tries again, this many times in all.
+STARTUP_S = 90.0
+START_ATTEMPTS = 3
+# prctl(2): orphans below this process are given to it.
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def address_file(cluster_dir: Path, job_id: str) -> Path:
@@ -66,8 +79,27 @@ def _memory_share() -> list[str]:
     ]
 
 
+def advertised_address(name: str | None) -> str | None:
+    """The IPv4 address Ray should give for this node: the one Slurm knows the node by (its
+    NodeAddr, resolved). Left to Ray (None) where Slurm names none or a loopback one (a
+    one-node cluster). Ray's own guess is a route towards a public address, else the
+    hostname's address: on nodes without a default route whose hostname maps to a loopback
+    address (Debian's `127.0.1.1 host` line) the head would advertise one no other node reaches."""
+    address = cluster.node_address(name) if name else None
+    if address is None:
+        return None
+    try:
+        found = socket.getaddrinfo(address, None, socket.AF_INET)
+    except OSError:
+        return None
+    ips = [str(info[4][0]) for info in found]
+    usable = [ip for ip in ips if not ipaddress.ip_address(ip).is_loopback]
+    return usable[0] if usable else None
+
+
 def _ray_start(*options: str) -> list[str]:
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
+    address = advertised_address(os.environ.get("SLURMD_NODENAME"))
     return [
         sys.executable,
         "-m",
@@ -75,17 +107,24 @@ def _ray_start(*options: str) -> list[str]:
         "start",
         "--block",
         f"--num-cpus={cpus}",
+        *([f"--node-ip-address={address}"] if address else []),
         *_memory_share(),
         "--disable-usage-stats",
         *options,
     ]
 
 
+class _NoAddress(Exception):
+    """The head's `ray start` ended before it wrote the cluster's address."""
+
+
 def _wait_for(path: Path, ray: subprocess.Popen[bytes] | None) -> str:
-    """The content of `path` once it exists; exits when `ray` ends before it does."""
+    """The content of `path` once it exists; `_NoAddress` when `ray` ends before it does."""
     while not path.exists():
         if ray is not None and ray.poll() is not None:
-            sys.exit(f"ray start ended with exit code {ray.returncode} before it had an address")
+            raise _NoAddress(
+                f"ray start ended with exit code {ray.returncode} before it had an address"
+            )
         time.sleep(POLL_S)
     return path.read_text().strip()
 
@@ -95,8 +134,118 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     sys.exit(128 + signum)
 
 
+def _adopt_orphans() -> None:
+    """Make this process the one that orphans below it are given to (a child subreaper), not
+    init. Apptainer's FUSE helpers (squashfuse_ll, fuse-overlayfs) are its starter's children
+    and run in the container's mount namespace, which they keep alive themselves: a starter
+    killed outright (a host or raylet killed with its tree, the OOM killer) leaves them behind
+    for good, outside anything Slurm tracks without cgroups. Given to this process, they end
+    with it (`_end_descendants`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _reap(ray: subprocess.Popen[bytes]) -> int:
+    """Wait for Ray to end. Meanwhile, of the orphans given to this process: collect the exit
+    status of those that ended (they would stay zombies), and kill FUSE helpers, whose starter
+    is gone and will never unmount what they serve. Other orphans (a starter whose host died,
+    ending its container by itself) are left to end as they do."""
+    while ray.poll() is None:
+        for child in psutil.Process().children():
+            if child.pid == ray.pid:
+                continue
+            with contextlib.suppress(ChildProcessError, psutil.Error):
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+                elif child.name() in FUSE_HELPERS:
+                    child.kill()
+        time.sleep(POLL_S)
+    return ray.returncode
+
+
+class _RayStart:
+    """`ray start` running, its output relayed to the job's log line by line, the last line
+    that says what went wrong kept for the node's failure record."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.began = time.monotonic()
+        self.said = ""
+        self.process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        self._relay = threading.Thread(target=self._relay_stderr, daemon=True)
+        self._relay.start()
+
+    def _relay_stderr(self) -> None:
+        assert self.process.stderr is not None
+        rank = 0
+        for raw in self.process.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            line = raw.decode(errors="replace").strip()
+            weight = failure_rank(line)
+            if weight and weight >= rank:
+                rank, self.said = weight, line.split(" -- ", 1)[-1][:400]
+
+    def wait(self) -> int:
+        code = _reap(self.process)
+        self._relay.join(timeout=STOP_S)
+        return code
+
+
+def failure_rank(line: str) -> int:
+    """How well a line of `ray start`'s output says why it failed: 3 for Ray's own fatal log
+    line (`... PANIC scripts.py:886 -- why`), 2 for an exception's (`Exception: why`), 1 for
+    another that speaks of failure, 0 for the rest. The best, last of its rank, is kept."""
+    if "\tPANIC " in line or " PANIC " in line:
+        return 3
+    if re.match(r"^[\w.]*(Error|Exception): ", line):
+        return 2
+    return int(any(word in line for word in ("Error", "timed out", "Failed", "failed")))
+
+
+def failure_file(cluster_dir: Path, job_id: str, node: str) -> Path:
+    """Where the node that could not start Ray says why, for `ray up` to name it."""
+    return cluster_dir / f"{job_id}.{node}.failed"
+
+
+def failures(cluster_dir: Path, job_id: str) -> list[str]:
+    """What the nodes of job `job_id` said when Ray would not start on them."""
+    return sorted(path.read_text().strip() for path in cluster_dir.glob(f"{job_id}.*.failed"))
+
+
+def _start_until_up(command: list[str], env: dict[str, str]) -> tuple[_RayStart, int, int]:
+    """Start a worker's Ray and wait for it. One whose `ray start` failed within STARTUP_S (Ray
+    gives its raylet a fixed 30 s to register, which a busy node can miss) starts again, up to
+    START_ATTEMPTS times, after what the failed one left is ended. Ray, its exit code and the
+    number of attempts."""
+    attempt = 1
+    while True:
+        ray = _RayStart(command, env)
+        code = ray.wait()
+        quick = time.monotonic() - ray.began < STARTUP_S
+        if code == 0 or not quick or attempt == START_ATTEMPTS:
+            return ray, code, attempt
+        print(
+            f"harbor-hpc: ray start failed (exit code {code}: {ray.said or 'no message'}); "
+            f"starting it again ({attempt + 1} of {START_ATTEMPTS})",
+            file=sys.stderr,
+            flush=True,
+        )
+        _end_descendants()
+        attempt += 1
+
+
+def _end_descendants() -> None:
+    """Kill whatever of this node is left once Ray ended: adopted orphans included."""
+    left = psutil.Process().children(recursive=True)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(left, timeout=STOP_S)
+
+
 def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
+    _adopt_orphans()
     job_id = os.environ["SLURM_JOB_ID"]
     head = join is None and os.environ.get("SLURM_PROCID", "0") == "0"
     own = [f"--labels={labels}"] if labels else []
@@ -120,26 +269,46 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
         RAY_worker_niceness="0",
     )
     use_token(env, cluster_dir)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     # Popen, not `core.proc.run` (bounded in time): Ray is this task's service, for the job's life.
-    ray: subprocess.Popen[bytes] | None = None
+    ray: _RayStart | None = None
     try:
         if head:
-            ray = subprocess.Popen(
-                _ray_start("--head", "--port=0", "--include-dashboard=false", *own), env=env
+            ray = _RayStart(
+                _ray_start("--head", "--port=0", "--include-dashboard=false", *own), env
             )
-            address = _wait_for(temp_dir / "ray" / "ray_current_cluster", ray)
+            address = _wait_for(temp_dir / "ray" / "ray_current_cluster", ray.process)
             atomic_write_text(address_file(cluster_dir, job_id), address + "\n")
+            code, attempts = ray.wait(), 1
         else:
             address = join or _wait_for(address_file(cluster_dir, job_id), None)
-            ray = subprocess.Popen(_ray_start(f"--address={address}", *own), env=env)
-        return ray.wait()
+            command = _ray_start(f"--address={address}", *own)
+            ray, code, attempts = _start_until_up(command, env)
+        took = time.monotonic() - ray.began
+        if code != 0 and took < STARTUP_S:  # it never got going: `ray up` names the node
+            atomic_write_text(
+                failure_file(cluster_dir, job_id, f"{node}-{os.environ.get('SLURM_PROCID', 0)}"),
+                f"node {node}: ray start ended with exit code {code} after {took:.0f} s "
+                f"({attempts} attempt(s)): {ray.said or 'no message; see the job log'}\n",
+            )
+        return code
+    except _NoAddress as exc:  # the head's ray start ended before it had an address
+        said = ""
+        if ray is not None:
+            ray.wait()  # it ended: this lets its last output be read
+            said = ray.said
+        atomic_write_text(
+            failure_file(cluster_dir, job_id, f"{node}-0"), f"node {node}: {exc}: {said}\n"
+        )
+        return 1
     finally:
-        if ray is not None and ray.poll() is None:
-            ray.terminate()
+        if ray is not None and ray.process.poll() is None:
+            ray.process.terminate()
             try:
-                ray.wait(timeout=STOP_S)
+                ray.process.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
-                ray.kill()  # Ray drains for up to 30 s: longer than Slurm's usual KillWait
+                ray.process.kill()  # Ray drains for up to 30 s: longer than Slurm's KillWait
+        _end_descendants()
         private.remove()  # overlays hold files of the user's subordinate uids
 
 

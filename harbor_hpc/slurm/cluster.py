@@ -223,6 +223,22 @@ def max_array_size(*, timeout: float = QUERY_TIMEOUT_S) -> int:
     return parse_max_array_size(ran.stdout)
 
 
+def parse_node_address(text: str) -> str | None:
+    """NodeAddr of `scontrol show node -o NAME` output (the address Slurm reaches it at)."""
+    for field_ in text.split():
+        key, _, value = field_.partition("=")
+        if key == "NodeAddr" and value and value != "(null)":
+            return value
+    return None
+
+
+def node_address(name: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
+    """The address Slurm knows node `name` by, None when scontrol does not say."""
+    hint = f"run this on a node of the cluster; {CONTROLLER_HINT}"
+    ran = _query(["scontrol", "show", "node", "-o", name], timeout=timeout, hint=hint)
+    return parse_node_address(ran.stdout) if ran.ok else None
+
+
 # --- what `harbor-hpc doctor` asks ---------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from harbor_hpc.apptainer.runtime import FUSE_HELPERS
 from tests.ray.conftest import RayCluster
 from tests.ray.test_environment import drive, lines, next_line
 from tests.support.cli import cli, cli_json
@@ -147,6 +148,31 @@ def test_a_killed_host_ends_its_environment_and_the_next_one_gets_a_new_host(
     assert "was lost: The actor died unexpectedly" in failed["error"]
     assert failed["after"] < 5 and stopped["stopped_after"] < 5
     assert again["again"] == "back\n"
+    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+
+
+def kill_host_but_not_its_fuse_helpers(node_id: str) -> None:
+    """A host and its containers' starters killed outright, as the OOM killer or a crash can,
+    while the FUSE helpers those starters ran are not: they keep their mount namespace alive
+    and nobody is left to unmount what they serve."""
+    host = host_of(node_id)
+    below = host.children(recursive=True)
+    assert any(process.name() in FUSE_HELPERS for process in below)
+    for process in [host, *(p for p in below if p.name() not in FUSE_HELPERS)]:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+
+
+def test_fuse_helpers_left_by_a_killed_starter_end_while_the_node_lives_on(
+    own_ray_cluster: Callable[..., RayCluster], debian_sif: Path, tmp_path: Path
+) -> None:
+    cluster = own_ray_cluster()
+    placed, failed, _, again = break_then_exec(
+        cluster, debian_sif, tmp_path, kill_host_but_not_its_fuse_helpers, cluster_left=True
+    )
+    assert_ended_naming_the_node(failed["error"], placed)
+    assert again["again"] == "back\n"
+    # The node's process took them in (a child subreaper) and ended them.
     assert gone_within(10, lambda: container_processes(debian_sif)) == []
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import psutil
 
+from harbor_hpc.apptainer.runtime import FUSE_HELPERS
+
 # Apptainer's FUSE mounts of an image (its root, the overlay on it): their command lines name
 # the image by a descriptor (/proc/self/fd/N), not by its path.
-FUSE_HELPERS = {"squashfuse", "squashfuse_ll", "fuse-overlayfs", "fuse2fs"}
 
 
 def container_processes(sif: Path) -> list[str]:
