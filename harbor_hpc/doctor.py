@@ -128,6 +128,15 @@ class Report:
     def ok(self) -> bool:
         return not self.missing_parts
 
+    def working_alternative(self, part: Part) -> Part | None:
+        """Another part the role takes instead of `part` (Apptainer builds for Docker) that
+        works here: then a check of `part` that is not ok needs no fix."""
+        broken = {check.part for check in self.checks if check.status is Status.MISSING}
+        for choice in REQUIRED_PARTS[self.role]:
+            if part in choice:
+                return next((p for p in choice if p != part and p not in broken), None)
+        return None
+
     def to_json(self) -> list[dict[str, Any]]:
         """`harbor-hpc doctor --json`: one object per check."""
         return [check.as_dict() for check in self.checks]

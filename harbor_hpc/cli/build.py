@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
 
 
 @app.command(
+    short_help="Build one image per distinct build context.",
     help="Build one image per distinct build context and pin every task to it.\n\n"
     "Tasks whose environment/ folders are identical (the Dockerfile and every file Docker would "
     "send, .dockerignore honoured) share one image named from that content. With Docker "
@@ -62,14 +63,14 @@ if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
     "compute nodes, one Slurm array element per context. --builder auto (the default) takes "
     "Docker where an engine answers, else Apptainer, and says which. The manifest is updated as "
     "each image finishes, or maps the task to its error. "
-    "A task whose verifier runs in a container of its own (\\[verifier] environment_mode = "
+    "A task whose verifier runs in a container of its own ([verifier] environment_mode = "
     '"separate") with a tests/Dockerfile gets a second image from tests/, by the same rules. '
     "A task whose docker-compose file asks for what cannot run here is warned about, naming it; "
     "its services' build: contexts are built into the .sif store when a trial first starts them. "
     "A rerun builds only what the registry (or the store) does not already hold.\n\n"
     "Exits 1 naming the tasks whose image failed; the other images are still built.\n\n"
-    "Example: harbor-hpc build tasks/ --registry localhost:5000/lab --manifest "
-    "manifest.json"
+    "Example: harbor-hpc build tasks/ --registry localhost:5000/lab \\\n"
+    "             --manifest manifest.json",
 )
 def build(
     tasks_dir: TasksArgument,
@@ -78,7 +79,7 @@ def build(
         typer.Option(
             "--registry",
             help="REGISTRY/NAMESPACE to push to, e.g. registry.example.org/myteam; credentials "
-            "come from your `docker login`. Docker builds only. \\[default: config registry]",
+            "come from your `docker login`. Docker builds only. [default: config registry]",
         ),
     ] = None,
     manifest: ManifestOption = None,
@@ -97,7 +98,7 @@ def build(
         typer.Option(
             "--scratch-dir",
             help="Apptainer builds: where each build unpacks its image and stages its files "
-            "(a local disk with room for the unpacked image). \\[default: $APPTAINER_TMPDIR, "
+            "(a local disk with room for the unpacked image). [default: $APPTAINER_TMPDIR, "
             "else $TMPDIR, else /tmp]",
         ),
     ] = None,
@@ -136,9 +137,7 @@ def build(
     qos: QosOption = None,
     time_min: Annotated[
         int | None,
-        typer.Option(
-            "--time", min=1, help="Minutes per context (Slurm time limit). \\[default: 60]"
-        ),
+        typer.Option("--time", min=1, help="Minutes per context (Slurm time limit). [default: 60]"),
     ] = None,
     dry_run: DryRunOption = False,
     json_output: JsonOption = False,

@@ -1,5 +1,5 @@
-"""Imports every subcommand module so that each registers itself on the app, then gives each its
-help as Rich shows it best.
+"""Imports every subcommand module so that each registers itself on the app, then keeps each
+one's examples as written in its help.
 
 The order is the order of the steps, which is the order `harbor-hpc --help` lists them in.
 """
@@ -14,6 +14,6 @@ from harbor_hpc.cli import doctor  # noqa: F401
 from harbor_hpc.cli import ray  # noqa: F401
 
 # isort: on
-from harbor_hpc.cli.app import app, reflow_help
+from harbor_hpc.cli.app import app, keep_examples
 
-reflow_help(app)
+keep_examples(app)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the conversion machinery loads when a conversion runs
     from harbor_hpc.slurm.convert import ConversionArray, ConvertReport
 
 
-@app.command()
+@app.command(short_help="Turn every image of a manifest into a .sif in the store.")
 def convert(
     manifest: ManifestOption = None,
     cache_dir: CacheDirOption = None,
@@ -78,7 +78,7 @@ def convert(
     qos: QosOption = None,
     time_min: Annotated[
         int | None,
-        typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). \\[default: 60]"),
+        typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). [default: 60]"),
     ] = None,
     dry_run: DryRunOption = False,
     json: JsonOption = False,
@@ -98,7 +98,7 @@ def convert(
 
     Exits 1 when any image failed (each one named with the tasks it serves); the rest are done.
 
-    Example: harbor-hpc convert --manifest manifest.json --cache-dir /scratch/$USER/sif --slurm
+    Example: harbor-hpc convert --manifest manifest.json --cache-dir sif --slurm
     """
     from harbor_hpc.slurm.convert import ConvertRequest, convert_images, parse_source
 

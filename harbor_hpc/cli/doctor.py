@@ -25,7 +25,7 @@ from harbor_hpc.doctor import PART_TITLES, REQUIRED_PARTS, Report, Role, Status,
 _STYLES = {Status.OK: "green", Status.WARN: "yellow", Status.MISSING: "red bold"}
 
 
-@app.command()
+@app.command(short_help="Check this machine part by part, with a fix for each gap.")
 def doctor(
     role: Annotated[
         Role,
@@ -99,8 +99,11 @@ def _checklist(report: Report) -> Group:
         line = Text(f"{check.name}: ")
         line.append(check.detail)
         if check.status is not Status.OK and check.fix:
+            instead = report.working_alternative(check.part)
             line.append("\nfix: ", style="bold")
             line.append(check.fix)
+            if instead is not None:
+                line.append(f" (not needed here, where {PART_TITLES[instead]} will do)")
         grid.add_row(Text(str(check.status), style=_STYLES[check.status]), line)
     rows.append(grid)
     return Group(*rows)

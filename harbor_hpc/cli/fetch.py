@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from harbor_hpc.fetch import FetchPlan, FetchReport
 
 
-@app.command(name="fetch")
+@app.command(name="fetch", short_help="Download the tasks you ask for from a Hugging Face dataset.")
 def fetch_command(
     repo_id: Annotated[
         str,
@@ -50,7 +50,7 @@ def fetch_command(
     ] = None,
     revision: Annotated[
         str | None,
-        typer.Option("--revision", "-r", help="Branch, tag or commit. \\[default: main]"),
+        typer.Option("--revision", "-r", help="Branch, tag or commit. [default: main]"),
     ] = None,
     dry_run: DryRunOption = False,
     json: JsonOption = False,
@@ -70,8 +70,8 @@ def fetch_command(
     HF_HOME or HF_HUB_CACHE (the download cache), HF_ENDPOINT (a mirror), HF_HUB_OFFLINE=1
     (work from the cache alone).
 
-    Example: harbor-hpc fetch nvidia/Nemotron-Terminal-Synthetic-Tasks --dest tasks
-    --include 'skill_based/mixed/scientific_computing.tar.gz'
+    Example: harbor-hpc fetch nvidia/Nemotron-Terminal-Synthetic-Tasks \\
+        --dest tasks --include 'skill_based/mixed/scientific_computing.tar.gz'
     """
     from harbor_hpc.fetch import fetch, plan_fetch  # the hub client loads when a fetch runs
 

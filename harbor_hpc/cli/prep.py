@@ -33,12 +33,13 @@ if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
 
 
 @app.command(
-    help="Set \\[environment].docker_image of every task to its pinned image from the manifest, "
-    "and \\[verifier.environment].docker_image of a task whose verifier has an image of its own."
+    short_help="Point every task.toml at its pinned image or .sif.",
+    help="Set [environment].docker_image of every task to its pinned image from the manifest, "
+    "and [verifier.environment].docker_image of a task whose verifier has an image of its own."
     "\n\nOnly that value changes; every other byte of task.toml stays. Tasks whose image failed, "
     "is not built, or (with --sif) has no .sif yet are left untouched and listed; task.toml "
     "files that do not parse are named. Exits 1 when any task was left out. Safe to run again."
-    "\n\nExample: harbor-hpc rewrite tasks/ --manifest manifest.json --sif"
+    "\n\nExample: harbor-hpc rewrite tasks/ --manifest manifest.json --sif",
 )
 def rewrite(
     tasks_dir: TasksArgument,
@@ -47,8 +48,8 @@ def rewrite(
         bool,
         typer.Option(
             "--sif",
-            help="Point docker_image at each image's .sif that `harbor-hpc convert` recorded, "
-            "instead of the registry reference.",
+            help="Point docker_image at each image's .sif in the manifest (recorded by "
+            "`build --builder apptainer` or by `convert`), instead of the registry reference.",
         ),
     ] = False,
     dry_run: Annotated[
@@ -92,6 +93,7 @@ def _show_rewrite(result: RewriteResult) -> None:
 
 @app.command(
     "setup-sh",
+    short_help="Write environment/files/setup.sh where a task has none.",
     help="Write environment/files/setup.sh into every task that has none.\n\n"
     "The script runs before the agent in Harbor's and NeMo Gym's Singularity flows: it makes the "
     "exec server's uvicorn and fastapi importable (doing nothing when they already are) and, "
@@ -111,7 +113,7 @@ def setup_sh(
             help="Folder of wheels for uvicorn, fastapi and their dependencies, for offline "
             "compute nodes; staged into each task's environment/files/wheels (hard links when "
             "possible). Without it, setup.sh installs from the package index. "
-            "\\[default: config wheels_dir]",
+            "[default: config wheels_dir]",
         ),
     ] = None,
     replay_copy: Annotated[

@@ -27,9 +27,11 @@ if TYPE_CHECKING:  # the cluster code loads when a command runs: `--help` stays 
 
 ray_app = typer.Typer(
     name="ray",
+    short_help="A Ray cluster as one Slurm job, for environments elsewhere.",
     help="A Ray cluster as one Slurm job (token authentication always on), for environments "
-    "that run away from the trainer's nodes. Needs the extra: pip install 'harbor-hpc\\[ray]'.",
+    "that run away from the trainer's nodes. Needs the extra: pip install 'harbor-hpc[ray]'.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(ray_app)
 
@@ -38,13 +40,13 @@ ClusterDirOption = Annotated[
     typer.Option(
         "--cluster-dir",
         help="The cluster's private folder (token, job script, log, address), on a filesystem "
-        "the nodes share. \\[default: $HARBOR_HPC_RAY_DIR, else ~/.local/state/harbor-hpc/ray]",
+        "the nodes share. [default: $HARBOR_HPC_RAY_DIR, else ~/.local/state/harbor-hpc/ray]",
         show_default=False,
     ),
 ]
 
 
-@ray_app.command()
+@ray_app.command(short_help="Start a Ray cluster as one Slurm job; wait until it is up.")
 def up(
     nodes: Annotated[
         int, typer.Option("--nodes", "-N", min=1, help="Slurm nodes, one Ray node on each.")
@@ -55,9 +57,7 @@ def up(
     ] = 60,
     cpus_per_node: Annotated[
         int | None,
-        typer.Option(
-            "--cpus-per-node", min=1, help="CPUs of each Ray node. \\[default: Slurm's, 1]"
-        ),
+        typer.Option("--cpus-per-node", min=1, help="CPUs of each Ray node. [default: Slurm's, 1]"),
     ] = None,
     ray_nodes_per_node: Annotated[
         int,
@@ -101,7 +101,7 @@ def up(
             "--wait-timeout",
             min=1,
             help="Seconds to wait for the job to start and every node to join; then the job "
-            "is cancelled. \\[default: 600]",
+            "is cancelled. [default: 600]",
         ),
     ] = None,
     cluster_dir: ClusterDirOption = None,
@@ -151,7 +151,7 @@ def _show_up(result: RayCluster) -> None:
     )
 
 
-@ray_app.command()
+@ray_app.command(short_help="The cluster's job, each Ray node and its free resources.")
 def status(
     cluster_dir: ClusterDirOption = None,
     json: JsonOption = False,
@@ -191,7 +191,7 @@ def _show(result: RayStatus) -> None:
     stdout.print(table)
 
 
-@ray_app.command()
+@ray_app.command(short_help="End the cluster: cancel its job, remove its token.")
 def down(
     cluster_dir: ClusterDirOption = None,
     json: JsonOption = False,

@@ -58,7 +58,7 @@ WaitOption = Annotated[
 FAILED_SHOWN = 20
 
 
-@app.command()
+@app.command(short_help="Run every task with an agent, as Slurm array jobs.")
 def submit(
     tasks_dir: Annotated[
         Path, typer.Argument(help="Folder holding the tasks (folders with task.toml).")
@@ -86,7 +86,7 @@ def submit(
         Path | None,
         typer.Option(
             "--run-dir",
-            help="Folder for run.json, logs and trials. \\[default: config run_dir/<time>, "
+            help="Folder for run.json, logs and trials. [default: config run_dir/<time>, "
             "else ./runs/<time>]",
         ),
     ] = None,
@@ -95,7 +95,7 @@ def submit(
         typer.Option(
             "--executor",
             help="auto (Slurm when sbatch is on PATH, else local processes), slurm, local. "
-            "\\[default: auto]",
+            "[default: auto]",
         ),
     ] = None,
     partition: PartitionOption = None,
@@ -106,20 +106,17 @@ def submit(
         typer.Option(
             "--array-parallelism",
             min=1,
-            help="Array elements running at once (local: processes). "
-            "\\[default: Slurm 256, local 1]",
+            help="Array elements running at once (local: processes). [default: Slurm 256, local 1]",
         ),
     ] = None,
     tasks_per_job: Annotated[
         int | None,
-        typer.Option(
-            "--tasks-per-job", "-k", min=1, help="Tasks per array element. \\[default: 1]"
-        ),
+        typer.Option("--tasks-per-job", "-k", min=1, help="Tasks per array element. [default: 1]"),
     ] = None,
     concurrency: Annotated[
         int | None,
         typer.Option(
-            "--concurrency", "-c", min=1, help="Trials at a time within an element. \\[default: 1]"
+            "--concurrency", "-c", min=1, help="Trials at a time within an element. [default: 1]"
         ),
     ] = None,
     attempts: Annotated[
@@ -131,7 +128,7 @@ def submit(
         typer.Option(
             "--environment",
             help="The Harbor environment, as module:Class (e.g. Harbor's own "
-            "harbor.environments.singularity:SingularityEnvironment). \\[default: harbor-hpc's, "
+            "harbor.environments.singularity:SingularityEnvironment). [default: harbor-hpc's, "
             "harbor_hpc.environment:SingularityEnvironment]",
             show_default=False,
         ),
@@ -148,7 +145,7 @@ def submit(
         typer.Option(
             "--scratch-dir",
             help="Where each trial's private writable overlay and staging live on the compute "
-            "node (a local disk with room; the environment kwarg scratch_dir). \\[default: "
+            "node (a local disk with room; the environment kwarg scratch_dir). [default: "
             "Slurm's $TMPDIR, else the system temp folder, decided on the node; config: "
             "scratch_dir]",
         ),
@@ -156,16 +153,16 @@ def submit(
     time_min: Annotated[
         int | None,
         typer.Option(
-            "--time", min=1, help="Minutes per element. \\[default: from the tasks' timeouts]"
+            "--time", min=1, help="Minutes per element. [default: from the tasks' timeouts]"
         ),
     ] = None,
     mem_mb: Annotated[
         int | None,
-        typer.Option("--mem", min=1, help="MB per element. \\[default: from the tasks' memory_mb]"),
+        typer.Option("--mem", min=1, help="MB per element. [default: from the tasks' memory_mb]"),
     ] = None,
     cpus: Annotated[
         int | None,
-        typer.Option("--cpus", min=1, help="CPUs per element. \\[default: from the tasks' cpus]"),
+        typer.Option("--cpus", min=1, help="CPUs per element. [default: from the tasks' cpus]"),
     ] = None,
     sbatch_arg: Annotated[
         list[str] | None,
@@ -175,7 +172,7 @@ def submit(
         bool,
         typer.Option(
             "--group-readable",
-            help="Let your group read the run folder (never write it). \\[default: only you]",
+            help="Let your group read the run folder (never write it). [default: only you]",
         ),
     ] = False,
     wait: WaitOption = False,
@@ -191,7 +188,8 @@ def submit(
     run. The same submit again into the same --run-dir continues that run: it queues only the
     attempts that have no finished trial.
 
-    Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --run-dir runs/oracle --wait
+    Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --wait \\
+                 --run-dir runs/oracle
     """
     from harbor_hpc.slurm.submit import configured_options, parse_key_values, submit_run
 
@@ -229,7 +227,7 @@ def submit(
         _follow(result.run_dir)
 
 
-@app.command()
+@app.command(short_help="Where each task attempt of a run stands, and why it failed.")
 def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOption = 0) -> None:
     """Where every task attempt of a run stands: pending, running, done (reward) or failed (why).
 
@@ -247,7 +245,7 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
     render(found, json=json, show=lambda shown: _show_status(shown, verbose=verbose > 0))
 
 
-@app.command()
+@app.command(short_help="Rerun the attempts of a run that have no finished trial.")
 def resubmit(
     run_dir: RunDirArgument,
     failed: Annotated[
@@ -278,7 +276,7 @@ def resubmit(
         _follow(result.run_dir)
 
 
-@app.command()
+@app.command(short_help="Write a run's rollouts as JSON lines for RL trainers.")
 def export(
     run_dir: RunDirArgument,
     out: Annotated[Path, typer.Option("--out", "-o", help="The JSONL file to write.")],
@@ -376,7 +374,7 @@ def _show_submission(result: SubmitResult) -> None:
 def _show_status(found: RunStatus, *, verbose: bool) -> None:
     """One table row per attempt; below it each failed attempt's message, indented on a line
     of its own and cut to the terminal's width (`verbose`: whole, with the trial folders)."""
-    table = Table(pad_edge=False)
+    table = Table()
     columns = ["task", "#", "state", "reward", "failure"] + (["trial"] if verbose else [])
     for column in columns:
         table.add_column(column, overflow="fold")

@@ -7,8 +7,6 @@ install itself (Harbor and the other Python packages) is probed here, below ever
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 import pwd
 import re
@@ -37,6 +35,8 @@ class Finding:
 
 
 def harbor_finding() -> Finding:
+    import importlib.metadata  # here: it takes a few hundredths of a second to load
+
     fix = "install it into this environment: `uv sync` in the checkout, or `pip install harbor`"
     try:
         importlib.import_module("harbor")
@@ -50,6 +50,8 @@ def harbor_finding() -> Finding:
 
 
 def python_finding() -> Finding:
+    import importlib.metadata
+
     here = f"Python {sys.version.split()[0]} ({sys.executable})"
     absent = []
     declared = _declared_dependencies()
@@ -67,6 +69,8 @@ def python_finding() -> Finding:
 def _declared_dependencies() -> list[str]:
     """The packages harbor-hpc's metadata declares (its extras and Harbor, probed on its own,
     aside): the list in pyproject.toml, never a copy of it."""
+    import importlib.metadata
+
     try:
         requirements = importlib.metadata.requires("harbor-hpc") or []
     except importlib.metadata.PackageNotFoundError:

@@ -15,8 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
-
 from harbor_hpc.results.export import Export, ExportFormat, export_run
 from harbor_hpc.results.record import RunRecord, Submission, load_run
 from harbor_hpc.results.status import RunStatus, attempt_statuses
@@ -51,6 +49,8 @@ def _local_job_alive(submission: Submission, job: str) -> bool:
     """A local job is its controller process; from another host its fate cannot be seen."""
     if submission.host != socket.gethostname():
         return True
+    import psutil  # here: `status` of a Slurm run needs none of it
+
     try:
         process = psutil.Process(int(job))
         return process.status() != psutil.STATUS_ZOMBIE

@@ -1,12 +1,15 @@
-"""Every subcommand's --help, as a user reads it: with an example, and with the brackets in its
-text (`harbor-hpc[ray]`, `[verifier]`) kept, not taken for Rich markup."""
+"""Every subcommand's --help, as a user reads it: with an example that parses, within 80
+columns, and with the brackets in its text (`harbor-hpc[ray]`, `[verifier]`) kept."""
 
 from __future__ import annotations
+
+import shlex
 
 import typer.main
 from typer.testing import CliRunner
 
 from harbor_hpc.cli.app import app
+from tests.test_docs import parse_error
 
 
 def commands() -> list[list[str]]:
@@ -22,21 +25,34 @@ def commands() -> list[list[str]]:
     return found
 
 
-def test_every_subcommand_shows_an_example() -> None:
+def examples(text: str) -> list[list[str]]:
+    """The `Example:` command lines of a help text, as words (continuation lines joined)."""
+    joined = text.replace("\\\n", " ")
+    return [
+        shlex.split(line.split("Example: ", 1)[1])
+        for line in joined.splitlines()
+        if "Example: harbor-hpc " in line
+    ]
+
+
+def test_every_subcommand_shows_an_example_that_parses_within_80_columns() -> None:
     runner = CliRunner()
-    missing = []
+    missing, wide, wrong = [], [], []
     for words in commands():
-        shown = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "100"})
+        shown = runner.invoke(app, [*words, "--help"], env={"COLUMNS": "80"})
         assert shown.exit_code == 0, (words, shown.output)
-        if "Example: harbor-hpc " + " ".join(words) not in " ".join(shown.output.split()):
+        wide += [line for line in shown.output.splitlines() if len(line) > 80]
+        found = [e for e in examples(shown.output) if e[1 : 1 + len(words)] == words]
+        if not found:
             missing.append(" ".join(words))
-    assert missing == []
+        wrong += [" ".join(e) for e in found if parse_error(app, e) is not None]
+    assert (missing, wide, wrong) == ([], [], [])
 
 
 def test_brackets_in_help_are_text() -> None:
     runner = CliRunner()
-    top = " ".join(runner.invoke(app, ["--help"], env={"COLUMNS": "100"}).output.split())
-    assert "pip install 'harbor-hpc[ray]'" in top
+    ray = " ".join(runner.invoke(app, ["ray", "--help"], env={"COLUMNS": "100"}).output.split())
+    assert "pip install 'harbor-hpc[ray]'" in ray
     build = " ".join(runner.invoke(app, ["build", "--help"], env={"COLUMNS": "100"}).output.split())
     assert '[verifier] environment_mode = "separate"' in build
 
