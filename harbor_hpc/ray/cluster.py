@@ -54,11 +54,12 @@ def ray_missing() -> str | None:
     return None
 
 
-def _ray_modules(cluster_dir: Path) -> tuple[ModuleType, ModuleType, ModuleType]:
+def _ray_modules(cluster_dir: Path | None) -> tuple[ModuleType, ModuleType, ModuleType]:
     """Ray's GCS client, its status reader and node states, imported only when asked for, in
-    this process set up to ask the cluster in `cluster_dir`: Ray reads its authentication
-    settings from the environment once, when it is imported."""
-    use_token(os.environ, cluster_dir)
+    this process set up to ask the cluster in `cluster_dir` (None: with the token settings
+    already in the environment): Ray reads them from the environment once, when imported."""
+    if cluster_dir is not None:
+        use_token(os.environ, cluster_dir)
     problem = ray_missing()
     if problem:
         raise InputError(problem, hint=INSTALL_HINT)
@@ -67,6 +68,12 @@ def _ray_modules(cluster_dir: Path) -> tuple[ModuleType, ModuleType, ModuleType]
         importlib.import_module("ray.autoscaler.v2.sdk"),
         importlib.import_module("ray.core.generated.autoscaler_pb2"),
     )
+
+
+def alive_node_ips(address: str) -> set[str]:
+    """The addresses of the alive nodes of the cluster at `address` (asked of its GCS, with the
+    token settings already in this process's environment)."""
+    return {node.ip for node in _alive(_nodes_at(address, _ray_modules(None)))}
 
 
 @dataclass(frozen=True)

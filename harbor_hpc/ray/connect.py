@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 from pathlib import Path
 
+import psutil
+
 from harbor_hpc.apptainer.errors import EnvironmentHostUnavailable
-from harbor_hpc.ray.cluster import INSTALL_HINT, default_cluster_dir, load, ray_missing
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.ray import local_node
+from harbor_hpc.ray.cluster import (
+    INSTALL_HINT,
+    alive_node_ips,
+    default_cluster_dir,
+    load,
+    ray_missing,
+)
 from harbor_hpc.ray.node import use_token
 
 _lock = threading.Lock()
@@ -60,10 +71,37 @@ def connect(ray_address: str | None, cluster_dir: Path | None) -> None:
         import ray  # after these settings: Ray reads them when first imported
 
         try:
+            node_ip = _node_of_this_machine(address)
+        except HarborHpcError as exc:  # the cluster does not answer
+            raise EnvironmentHostUnavailable(exc.message) from None
+        except (OSError, RuntimeError) as exc:  # this machine's node did not join
+            raise EnvironmentHostUnavailable(f"the Ray cluster at {address}: {exc}") from None
+        try:
             # The hosts' logs stay on their nodes (Ray's log folder there): a driver serving
             # hundreds of environments must not spend its time relaying them.
-            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            ray.init(
+                address=address,
+                _node_ip_address=node_ip,
+                logging_level=logging.ERROR,
+                log_to_driver=False,
+            )
         except Exception as exc:  # Ray raises its own connection and authentication errors
             raise EnvironmentHostUnavailable(
                 f"the Ray cluster at {address} does not answer: {' '.join(str(exc).split())[:300]}"
             ) from None
+
+
+def _node_of_this_machine(address: str) -> str | None:
+    """The address of this machine's Ray node of the cluster: None where one of the cluster's
+    nodes runs here (Ray finds it), else one started for this driver (`local_node`)."""
+    here = {
+        entry.address
+        for entries in psutil.net_if_addrs().values()
+        for entry in entries
+        if entry.family == socket.AF_INET
+    }
+    if alive_node_ips(address) & here:
+        return None
+    ip = local_node.route_to(address)
+    local_node.start(address, ip, lambda: alive_node_ips(address))
+    return ip

@@ -1,20 +1,21 @@
 """A Ray cluster over the three-node Slurm cluster (`MultiNode`: each node its own network, no
 default route, its own hostname, its own /tmp): every Ray node advertises the address Slurm
-knows its node by, and a driver in the cluster's allocation (a step of its job on the first
-node, as a trainer's script in the same allocation runs) places an environment on each node
-and runs commands in it. (A driver on a machine that is not a Ray node of the cluster is not
-supported: Ray drivers talk to a raylet of their own machine.)"""
+knows its node by, and a driver places an environment on each node and runs commands in it,
+both from inside the cluster's allocation (a step of its job on the first node) and from a
+machine that runs none of its nodes (this one, on the nodes' bridge: Ray drivers need a raylet
+of their own machine, which the environment then starts, with no resources)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import MultiNode
-from tests.ray.test_environment import DRIVER, lines
+from tests.ray.test_environment import DRIVER, drive, lines
 from tests.support.cli import cli, cli_json
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer]
@@ -55,5 +56,20 @@ def test_ray_nodes_advertise_slurms_addresses_and_host_an_environment_each(
         found = lines(driver, timeout=400)
         assert sorted(line["out"] for line in found) == ["ok"] * 3
         assert {line["node"] for line in found} == NODES
+
+        outside = drive(ON_EACH_NODE, multinode_sif, multinode.work / "outside", cluster_dir)
+        found = lines(outside, timeout=400)
+        assert sorted(line["out"] for line in found) == ["ok"] * 3
+        assert {line["node"] for line in found} == NODES
+
+        # The driver's own node held nothing, and ends with it (Ray hears of it within seconds).
+        def alive() -> set[str]:
+            status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+            return {node["ip"] for node in status["ray_nodes"] if node["status"] != "DEAD"}
+
+        deadline = time.monotonic() + 30
+        while alive() != NODES and time.monotonic() < deadline:
+            time.sleep(1)
+        assert alive() == NODES
     finally:
         cli("ray", "down", "--cluster-dir", str(cluster_dir), env=multinode.env, check=False)

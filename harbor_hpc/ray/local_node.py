@@ -1,0 +1,87 @@
+"""A Ray node of no resources beside a driver whose machine runs none of the cluster's nodes.
+
+Ray drivers talk to a raylet of their own machine: a trainer on a login node, or on GPU nodes
+outside the cluster of `ray up`, has none, and `ray.init` would end its process. `start` gives
+it one (`ray start --num-cpus=0 --num-gpus=0`, so that nothing is placed there), at the address
+this machine reaches the cluster from, with its files in a private temporary folder. The node
+is tied to the driver by a pipe: when the driver ends, however it ends, the node ends and its
+folder goes (`python -m harbor_hpc.ray.local_node ADDRESS IP` is that node's keeper).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from harbor_hpc.apptainer.scratch import PrivateDir
+
+# How long the node may take to join before the driver gives up.
+JOIN_TIMEOUT_S = 60.0
+STOP_S = 2.0
+# The keepers of this process's nodes: their stdin is the pipe that holds each one.
+_keepers: list[subprocess.Popen[bytes]] = []
+
+
+def route_to(address: str) -> str:
+    """This machine's IPv4 address towards `address` (HOST:PORT): the one the cluster's nodes
+    reach it at (no packet is sent)."""
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, int(port)))
+        return str(probe.getsockname()[0])
+
+
+def start(address: str, ip: str, alive: Callable[[], set[str]]) -> None:
+    """Start this machine's node of the cluster at `address`, at `ip`, and wait until `alive()`
+    (the cluster's alive node addresses) counts it; a RuntimeError says why it did not join."""
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "harbor_hpc.ray.local_node", address, ip],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # Ctrl-C at the driver's terminal reaches it through the pipe
+    )
+    _keepers.append(keeper)
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while ip not in alive():
+        if keeper.poll() is not None:
+            raise RuntimeError(f"a Ray node of this machine ({ip}) could not start")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"a Ray node of this machine ({ip}) did not join within 60 s")
+        time.sleep(0.5)
+
+
+def main(address: str, ip: str) -> int:
+    private = PrivateDir("harbor-hpc-ray-driver-")
+    env = dict(os.environ, RAY_TMPDIR=str(private.path))
+    ray = subprocess.Popen(
+        [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+            f"--address={address}", f"--node-ip-address={ip}", "--num-cpus=0",
+            "--num-gpus=0", "--disable-usage-stats",
+        ],
+        env=env,
+    )  # fmt: skip
+
+    def driver_gone() -> None:
+        sys.stdin.buffer.read()  # returns when the driver's end of the pipe closes
+        ray.terminate()
+
+    threading.Thread(target=driver_gone, daemon=True).start()
+    try:
+        return ray.wait()
+    finally:
+        if ray.poll() is None:
+            ray.terminate()
+            try:
+                ray.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                ray.kill()
+        private.remove()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))
