@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 
 from harbor_hpc.apptainer.scratch import PrivateDir
+from harbor_hpc.ray.node import stop_ray
 
 # How long the node may take to join before the driver gives up.
 JOIN_TIMEOUT_S = 60.0
-STOP_S = 2.0
 # The keepers of this process's nodes: their stdin is the pipe that holds each one.
 _keepers: list[subprocess.Popen[bytes]] = []
 
@@ -74,12 +74,7 @@ def main(address: str, ip: str) -> int:
     try:
         return ray.wait()
     finally:
-        if ray.poll() is None:
-            ray.terminate()
-            try:
-                ray.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                ray.kill()
+        stop_ray(ray)
         private.remove()
 
 

@@ -234,6 +234,17 @@ def _start_until_up(command: list[str], env: dict[str, str]) -> tuple[_RayStart,
         attempt += 1
 
 
+def stop_ray(ray: subprocess.Popen[bytes]) -> None:
+    """End `ray start` when it still runs: asked first, killed after STOP_S (Ray drains for up
+    to 30 s: longer than Slurm's usual KillWait)."""
+    if ray.poll() is None:
+        ray.terminate()
+        try:
+            ray.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            ray.kill()
+
+
 def _end_descendants() -> None:
     """Kill whatever of this node is left once Ray ended: adopted orphans included."""
     left = psutil.Process().children(recursive=True)
@@ -302,12 +313,8 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
         )
         return 1
     finally:
-        if ray is not None and ray.process.poll() is None:
-            ray.process.terminate()
-            try:
-                ray.process.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                ray.process.kill()  # Ray drains for up to 30 s: longer than Slurm's KillWait
+        if ray is not None:
+            stop_ray(ray.process)
         _end_descendants()
         private.remove()  # overlays hold files of the user's subordinate uids
 
