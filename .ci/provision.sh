@@ -640,6 +640,7 @@ SHARED_DIR=/srv/harbor-hpc-shared   # a work folder every node sees (as a cluste
 multi() { SLURM_CONF=$MULTI_CONF timeout 10 "$@"; }
 multi_ctld_up() { multi scontrol ping 2>/dev/null | grep -q 'is UP'; }
 multi_usable() { [ "$(multi sinfo -h -N -p multi -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc|comp)')" = "${#MULTI_NODES[@]}" ]; }
+nodes_reach_registries() { [ "$(ip netns exec hh-n1 curl -s -o /dev/null -w '%{http_code}' --max-time 5 http://127.0.0.1:5000/v2/)" = 200 ]; }
 multi_node_net() { # NODE INDEX: its namespace, veth pair on the bridge, address, /etc/hosts line
   local node=$1 i=$2 ns=hh-$1
   if ! ip netns list | grep -qw "$ns"; then
@@ -656,19 +657,9 @@ multi_node_net() { # NODE INDEX: its namespace, veth pair on the bridge, address
 # The checkout being tested stays visible on the nodes when it lives under /tmp (a CI clone, its
 # venv): bound back into each node's own /tmp, as a shared filesystem holds it on a cluster.
 multi_keep() { case "$REPO_DIR" in /tmp/*) echo "$REPO_DIR" ;; *) echo "" ;; esac; }
-multi_slurmd_start() { # NODE: slurmd in the node's namespaces, /tmp its own
-  local node=$1 keep host_tmp=/run/harbor-hpc-host-tmp
-  keep=$(multi_keep)
-  install -d -m 1777 "$MULTI_TMP/$node"
-  install -d -m 700 "$host_tmp"
-  clear_stale_pidfile "/run/slurmd-multi-$node.pid" slurmd
-  nsenter --net="/run/netns/hh-$node" unshare --uts --mount --propagation slave sh -ec "
-    hostname $node
-    mount --bind /tmp $host_tmp
-    mount --bind $MULTI_TMP/$node /tmp
-    if [ -n '$keep' ]; then mkdir -p '$keep' && mount --bind '$host_tmp${keep#/tmp}' '$keep'; fi
-    exec slurmd -f $MULTI_CONF -N $node" 9>&-
-}
+# Nodes start, crash, lose their network and come back through .ci/node, installed for the tests.
+NODE_TOOL=/usr/local/sbin/harbor-hpc-ci-node
+
 part_multinode() {
   local notes=() i node tmp cpus mem_mb real_mem changed=0
   watch_log /var/log/slurm/slurmctld-multi.log
@@ -683,6 +674,10 @@ part_multinode() {
     iptables -I FORWARD -i "$MULTI_BRIDGE" -o "$MULTI_BRIDGE" -j ACCEPT
   for i in "${!MULTI_NODES[@]}"; do multi_node_net "${MULTI_NODES[$i]}" "$((i + 1))"; done
   install -d -m 1777 "$SHARED_DIR"
+  if ! cmp -s "$CI_DIR/node" "$NODE_TOOL"; then
+    install -m 755 -o root -g root "$CI_DIR/node" "$NODE_TOOL"
+    notes+=("installed $NODE_TOOL")
+  fi
 
   cpus=$(nproc)
   mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 }' /proc/meminfo)
@@ -706,6 +701,7 @@ part_multinode() {
       stop_pid "/run/slurmd-multi-$node.pid" slurmd && notes+=("slurmd $node stopped") || true
     done
   fi
+  multi_keep >"$STATE/multinode-checkout"
   if multi_ctld_up; then
     notes+=("slurmctld reused")
   else
@@ -715,17 +711,26 @@ part_multinode() {
     notes+=("slurmctld started")
   fi
   for node in "${MULTI_NODES[@]}"; do
+    # A fault test that ended early may have left its node cut off or crashed.
+    "$NODE_TOOL" heal "$node"
     if pid_alive "/run/slurmd-multi-$node.pid" slurmd; then continue; fi
-    multi_slurmd_start "$node"
+    "$NODE_TOOL" start "$node"
     notes+=("slurmd $node started")
   done
-  multi_keep >"$STATE/multinode-checkout"
   for ((i = 0; i < 120; i++)); do
     multi_usable && break
     multi scontrol update nodename="n[1-3]" state=resume >/dev/null 2>&1 || true
     sleep 0.5
   done
   multi_usable || die "the multi-node cluster's nodes are not all up after 60 s: $(multi sinfo -N 2>&1 | tr '\n' ' ')"
+  # The registries at localhost:5000/5001 on every node, as on this machine (.ci/registry/nodes.py).
+  if ! nodes_reach_registries || ! cmp -s "$CI_DIR/registry/nodes.py" "$STATE/registry-nodes.py"; then
+    pkill -f 'registry-nodes.py' 2>/dev/null || true
+    install -m 644 "$CI_DIR/registry/nodes.py" "$STATE/registry-nodes.py"
+    setsid python3 "$STATE/registry-nodes.py" "${MULTI_NODES[@]/#/hh-}" >"$LOGS/registry-nodes.log" 2>&1 </dev/null 9>&- &
+    wait_for 20 "the registries from the nodes (localhost:5000 in hh-n1)" nodes_reach_registries
+    notes+=("registries forwarded")
+  fi
   if [[ "${notes[*]}" == *started* ]]; then
     multi srun -N3 -n3 -t 1 -Q hostname >/dev/null || die "srun -N3 hostname failed on the multi-node cluster"
     notes+=("srun -N3 ok")
@@ -799,8 +804,10 @@ part_users() {
   # The tester becomes the other user without a password (tests of "another local user").
   local tmp
   tmp=$(mktemp)
-  printf '%s\n' "# Written by harbor-hpc's .ci/provision.sh: the test user acts as the other user." \
-    "$TEST_USER ALL=($OTHER_USER) NOPASSWD: ALL" >"$tmp"
+  printf '%s\n' "# Written by harbor-hpc's .ci/provision.sh: the test user acts as the other user," \
+    "# and starts, crashes, cuts off and heals the multi-node cluster's nodes (.ci/node)." \
+    "$TEST_USER ALL=($OTHER_USER) NOPASSWD: ALL" \
+    "$TEST_USER ALL=(root) NOPASSWD: $NODE_TOOL start n[1-3], $NODE_TOOL crash n[1-3], $NODE_TOOL cut n[1-3], $NODE_TOOL heal n[1-3], $NODE_TOOL pids n[1-3]" >"$tmp"
   if ! cmp -s "$tmp" "$SUDOERS_FILE"; then
     visudo -cqf "$tmp" >/dev/null || {
       rm -f "$tmp"
@@ -940,6 +947,7 @@ export HARBOR_HPC_TEST_EGRESS_HOST=$EGRESS_HOST
 export HARBOR_HPC_TEST_MULTI_SLURM_CONF=$MULTI_CONF
 export HARBOR_HPC_TEST_SHARED_DIR=$SHARED_DIR
 export HARBOR_HPC_TEST_MULTI_NODE_TMP=$MULTI_TMP
+export HARBOR_HPC_TEST_NODE_TOOL=$NODE_TOOL
 EOF
   chmod 644 "$tmp"
   if cmp -s "$tmp" "$ENV_FILE"; then

@@ -13,6 +13,7 @@ works is asked of `harbor_hpc.doctor`, the same probes users see in `harbor-hpc 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
@@ -20,6 +21,7 @@ import socket
 import stat
 import subprocess
 import tempfile
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -105,6 +107,13 @@ def _multinode_missing() -> str | None:
     up = [node for node, state in states.items() if state in ("idle", "mix", "alloc")]
     if len(up) < 3:
         return f"the multi-node cluster ({conf}) has {len(up)} node(s) up: {states or ran.stderr}"
+    tool = os.environ.get("HARBOR_HPC_TEST_NODE_TOOL", "")
+    listed = subprocess.run(
+        ["sudo", "-n", tool, "pids", "n1"], capture_output=True, text=True, timeout=30
+    ) if tool else None  # fmt: skip
+    if listed is None or listed.returncode != 0:
+        why = listed.stderr.strip() if listed else "unset"
+        return f"HARBOR_HPC_TEST_NODE_TOOL={tool!r} does not run with sudo -n: {why}"
     return None
 
 
@@ -223,6 +232,54 @@ class MultiNode:
         """This environment with the multi-node cluster as the one Slurm's commands talk to."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
+    def node(self, action: str, node: str) -> None:
+        """What happens to `node` (.ci/node, as root): `crash` (every process of it killed),
+        `start` (its slurmd again: it comes back), `cut` (its network down), `heal`."""
+        tool = os.environ["HARBOR_HPC_TEST_NODE_TOOL"]
+        done = subprocess.run(
+            ["sudo", "-n", tool, action, node], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, f"{action} {node}: {done.stderr}"
+
+    def slurm(self, *command: str) -> str:
+        """A Slurm command's output, on the multi-node cluster."""
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+        return done.stdout
+
+    def node_pids_of_user(self, node: str) -> list[int]:
+        """This user's processes on `node`."""
+        tool = os.environ["HARBOR_HPC_TEST_NODE_TOOL"]
+        done = subprocess.run(
+            ["sudo", "-n", tool, "pids", node], capture_output=True, text=True, timeout=60
+        )
+        mine = []
+        for pid in done.stdout.split():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{pid}").st_uid == os.getuid():
+                    mine.append(int(pid))
+        return mine
+
+    def state(self, node: str) -> str:
+        """Slurm's state of `node`: idle, alloc, down*, ..."""
+        return self.slurm("sinfo", "-h", "-N", "-n", node, "-o", "%t").strip()
+
+    def restore(self) -> None:
+        """Every node linked, its slurmd running, and up in Slurm's eyes (a test that failed
+        midway leaves the cluster as it found it)."""
+        for node in self.node_tmp:
+            self.node("heal", node)
+            self.node("start", node)
+        # A node back from a partition is seen at its next registration: Slurm asks one every
+        # 20 pings (a ping a third of SlurmdTimeout: 10 s in .ci/slurm-multi.conf.in).
+        deadline = time.monotonic() + 150
+        while any(self.state(node).rstrip("*~#") not in _UP for node in self.node_tmp):
+            assert time.monotonic() < deadline, f"nodes not back: {self.slurm('sinfo', '-N')}"
+            time.sleep(1)
+
+
+_UP = ("idle", "mix", "alloc", "comp")
+
 
 def _shared_work(prefix: str) -> Path:
     root = Path(os.environ["HARBOR_HPC_TEST_SHARED_DIR"])
@@ -239,6 +296,14 @@ def multinode() -> Iterator[MultiNode]:
         {node: nodes_tmp / node for node in ("n1", "n2", "n3")},
     )
     shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def faulty_nodes(multinode: MultiNode) -> Iterator[MultiNode]:
+    """The multi-node cluster for a test that crashes or cuts off nodes: every node is back
+    (linked, its slurmd running, up) after it, whatever happened."""
+    yield multinode
+    multinode.restore()
 
 
 @pytest.fixture(scope="session")

@@ -173,6 +173,11 @@ def _show(result: RayStatus) -> None:
         f"Ray cluster {result.cluster.address}: Slurm job {result.cluster.job_id} {state}",
         highlight=False,
     )
+    if result.unreachable:
+        stdout.print(
+            f"{result.unreachable}\n(its head is lost: `harbor-hpc ray down` ends the job)",
+            highlight=False,
+        )
     if not result.nodes:
         return
     table = Table(pad_edge=False)

@@ -137,12 +137,15 @@ class RayStatus:
     cluster: RayCluster
     job_state: str | None
     nodes: list[RayNode]
+    # Why a running job's cluster cannot be asked (its head lost, say), else None.
+    unreachable: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             **self.cluster.to_json(),
             "job_state": self.job_state,
             "ray_nodes": [node.to_json() for node in self.nodes],
+            "unreachable": self.unreachable,
         }
 
 
@@ -179,14 +182,17 @@ def job_script(cluster_dir: Path, options: UpOptions) -> str:
     }
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH --{key}={value}" for key, value in sbatch.items() if value]
+    # A node lost (crashed, cut off) takes only its own Ray node: the job keeps the others
+    # (--no-kill), and is never run again from the start (a new head, at a new address).
+    lines += ["#SBATCH --no-kill", "#SBATCH --no-requeue"]
     node = [sys.executable, "-m", "harbor_hpc.ray.node", str(cluster_dir)]
     node += ["--join", options.join] if options.join else []
     node += ["--labels", options.labels] if options.labels else []
     lines += [
         "set -euo pipefail",
         "umask 077",
-        # A node that fails ends the cluster: a partial one would serve fewer nodes than asked.
-        f"exec srun --kill-on-bad-exit=1 {shlex.join(node)}",
+        # A worker that ends (its Ray lost) leaves the others be; the head's end ends the job.
+        f"exec srun --no-kill --kill-on-bad-exit=0 {shlex.join(node)}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -353,6 +359,12 @@ def _await[T](ready: Callable[[], T], job: _JobWatch, timeout: float, waiting_fo
         answer = ready()
         if answer:
             return answer
+        failures = job.failures()
+        if failures:  # a node that could not start Ray: the cluster would lack it
+            raise HarborHpcError(
+                f"Ray cluster job {job.job_id}: {failures}; cancelled it",
+                hint=f"see its log {job.log}",
+            )
         if not job.queued():
             failures = job.failures()
             raise HarborHpcError(
@@ -445,8 +457,12 @@ def status(cluster_dir: Path) -> RayStatus:
 
     cluster = load(cluster_dir)
     state = slurm.job_state(cluster.job_id)
-    nodes = _nodes(cluster, _ray_modules(cluster_dir)) if state == "RUNNING" else []
-    return RayStatus(cluster, state, nodes)
+    if state != "RUNNING":
+        return RayStatus(cluster, state, [])
+    try:
+        return RayStatus(cluster, state, _nodes(cluster, _ray_modules(cluster_dir)))
+    except HarborHpcError as exc:  # the head's node lost, its GCS gone: the job may live on
+        return RayStatus(cluster, state, [], unreachable=exc.message)
 
 
 def down(cluster_dir: Path) -> RayDown:

@@ -61,6 +61,7 @@ def main(address: str, ip: str) -> int:
         [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
             f"--address={address}", f"--node-ip-address={ip}", "--num-cpus=0",
+            f"--temp-dir={private.path / 'ray'}",  # not the head's folder's path, here
             "--num-gpus=0", "--disable-usage-stats",
         ],
         env=env,

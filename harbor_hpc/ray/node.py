@@ -1,7 +1,9 @@
 """What a `harbor-hpc ray up` job runs on each of its nodes: `python -m harbor_hpc.ray.node DIR`.
 
 Slurm's first task starts the Ray head, the others workers (Ray's own Slurm pattern); with
-`--join ADDRESS` every task is a worker of that running cluster (a trainer's). The head
+`--join ADDRESS` every task is a worker of that running cluster (a trainer's). A worker whose
+Ray ends (its node cut off, its raylet killed) ends alone: the cluster goes on without it. The
+head's end is the cluster's: it cancels the job, which ends every node. The head
 takes a free port (`--port=0`, no race with other users of the node) and writes the address
 it got into DIR for the workers and `ray up` to read. Each node keeps Ray's files (sockets,
 logs, `ray_current_cluster`) in a private temporary folder of its own: Ray's default /tmp/ray
@@ -31,6 +33,7 @@ import psutil
 
 from harbor_hpc.apptainer.runtime import FUSE_HELPERS
 from harbor_hpc.apptainer.scratch import PrivateDir
+from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.slurm import cluster
 
@@ -97,7 +100,9 @@ def advertised_address(name: str | None) -> str | None:
     return usable[0] if usable else None
 
 
-def _ray_start(*options: str) -> list[str]:
+def _ray_start(temp_dir: Path, *options: str) -> list[str]:
+    """`ray start` for this node, its files in `temp_dir`: named, for a worker would otherwise
+    use the path of the head's folder on its own node, which nothing removes."""
     cpus = os.environ.get("SLURM_CPUS_PER_TASK", "1")
     address = advertised_address(os.environ.get("SLURMD_NODENAME"))
     return [
@@ -106,6 +111,7 @@ def _ray_start(*options: str) -> list[str]:
         "ray.scripts.scripts",
         "start",
         "--block",
+        f"--temp-dir={temp_dir}",
         f"--num-cpus={cpus}",
         *([f"--node-ip-address={address}"] if address else []),
         *_memory_share(),
@@ -269,6 +275,7 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     # containers' overlays) is in there too, so whatever a killed host left goes with the node.
     scratch = temp_dir / "tmp"
     scratch.mkdir()
+    ray_dir = temp_dir / "ray"
     env = dict(
         os.environ,
         RAY_TMPDIR=str(temp_dir),
@@ -286,14 +293,15 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     try:
         if head:
             ray = _RayStart(
-                _ray_start("--head", "--port=0", "--include-dashboard=false", *own), env
+                _ray_start(ray_dir, "--head", "--port=0", "--include-dashboard=false", *own),
+                env,
             )
-            address = _wait_for(temp_dir / "ray" / "ray_current_cluster", ray.process)
+            address = _wait_for(ray_dir / "ray_current_cluster", ray.process)
             atomic_write_text(address_file(cluster_dir, job_id), address + "\n")
             code, attempts = ray.wait(), 1
         else:
             address = join or _wait_for(address_file(cluster_dir, job_id), None)
-            command = _ray_start(f"--address={address}", *own)
+            command = _ray_start(ray_dir, f"--address={address}", *own)
             ray, code, attempts = _start_until_up(command, env)
         took = time.monotonic() - ray.began
         if code != 0 and took < STARTUP_S:  # it never got going: `ray up` names the node
@@ -313,10 +321,14 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
         )
         return 1
     finally:
+        ended = ray is not None and ray.process.poll() is not None  # by itself: not stopped
         if ray is not None:
             stop_ray(ray.process)
         _end_descendants()
         private.remove()  # overlays hold files of the user's subordinate uids
+        if head and ended:  # the workers have no cluster left: the job ends
+            with contextlib.suppress(HarborHpcError):
+                cluster.cancel(job_id)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def test_a_lost_node_ends_its_environment_within_seconds(
     own_ray_cluster: Callable[..., RayCluster], debian_sif: Path, tmp_path: Path
 ) -> None:
     cluster = own_ray_cluster()
-    # Ray's nodes of one `ray up` job stand or fall together (a node lost ends the job).
+    # The cluster's one node is its head: the head's loss ends the job.
     placed, failed, stopped = break_then_exec(
         cluster, debian_sif, tmp_path, lose_node, cluster_left=False
     )

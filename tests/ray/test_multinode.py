@@ -3,24 +3,37 @@ default route, its own hostname, its own /tmp): every Ray node advertises the ad
 knows its node by, and a driver places an environment on each node and runs commands in it,
 both from inside the cluster's allocation (a step of its job on the first node) and from a
 machine that runs none of its nodes (this one, on the nodes' bridge: Ray drivers need a raylet
-of their own machine, which the environment then starts, with no resources)."""
+of their own machine, which the environment then starts, with no resources). And nodes lost
+under a fleet: one crashed, one cut off the network, then the head's; each comes back."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import MultiNode
-from tests.ray.test_environment import DRIVER, drive, lines
+from tests.ray.test_environment import DRIVER, drive, lines, next_line
 from tests.support.cli import cli, cli_json
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer]
 
-NODES = {"10.77.0.11", "10.77.0.12", "10.77.0.13"}
+# Each node at the address Slurm knows it by (.ci/slurm-multi.conf.in).
+ADDRESS = {"n1": "10.77.0.11", "n2": "10.77.0.12", "n3": "10.77.0.13"}
+NODES = set(ADDRESS.values())
+
+
+def ray_dirs(folder: Path) -> set[str]:
+    """This user's Ray nodes' private folders in a node's /tmp."""
+    return {p.name for p in folder.glob("harbor-hpc-ray-*") if p.lstat().st_uid == os.getuid()}
+
 
 # Each environment reserves both CPUs of a node: the three land on three nodes.
 ON_EACH_NODE = """
@@ -38,6 +51,7 @@ def test_ray_nodes_advertise_slurms_addresses_and_host_an_environment_each(
     multinode: MultiNode, multinode_sif: Path
 ) -> None:
     cluster_dir = multinode.work / "ray"
+    before = {node: ray_dirs(tmp) for node, tmp in multinode.node_tmp.items()}
     up = cli_json(
         "ray", "up", "--nodes", "3", "--cpus-per-node", "2", "--partition", "multi", "--time", "30",
         "--wait-timeout", "240", "--cluster-dir", str(cluster_dir), env=multinode.env,
@@ -72,4 +86,181 @@ def test_ray_nodes_advertise_slurms_addresses_and_host_an_environment_each(
             time.sleep(1)
         assert alive() == NODES
     finally:
+        cli("ray", "down", "--cluster-dir", str(cluster_dir), env=multinode.env, check=False)
+    # Every node's Ray files were in a folder of its own on its own /tmp, gone with the job.
+    deadline = time.monotonic() + 30
+    while any(
+        (left := {n: ray_dirs(t) - before[n] for n, t in multinode.node_tmp.items()}).values()
+    ):
+        assert time.monotonic() < deadline, left
+        time.sleep(1)
+
+
+# One environment on each node; after the test's faults, a command in each, concurrently.
+FLEET = """
+async def main():
+    environments = [make(f"e{i}", ray_cpus=2) for i in range(3)]
+    await asyncio.gather(*(e.start(False) for e in environments))
+    show(nodes=[e.node for e in environments])
+    sys.stdin.readline()  # the test breaks nodes meanwhile
+    began = time.monotonic()
+
+    async def run(environment):
+        try:
+            done = await environment.exec("echo ok", timeout_sec=30)
+            show(node=environment.node, out=done.stdout.strip(), after=time.monotonic() - began)
+        except Exception as error:
+            show(node=environment.node, error=f"{type(error).__name__}: {error}",
+                 after=time.monotonic() - began)
+
+    await asyncio.gather(*(run(e) for e in environments))
+    await asyncio.gather(*(e.stop(True) for e in environments))
+    show(stopped=True)
+"""
+
+
+def ray_up(cluster: MultiNode, cluster_dir: Path) -> dict[str, Any]:
+    up: dict[str, Any] = cli_json(
+        "ray", "up", "--nodes", "3", "--cpus-per-node", "2", "--partition", "multi", "--time", "30",
+        "--wait-timeout", "240", "--cluster-dir", str(cluster_dir), env=cluster.env,
+    )  # fmt: skip
+    assert up["address"].startswith(ADDRESS["n1"] + ":")  # the head: Slurm's first node
+    return up
+
+
+def ray_status(cluster: MultiNode, cluster_dir: Path) -> dict[str, Any]:
+    status: dict[str, Any] = cli_json(
+        "ray", "status", "--cluster-dir", str(cluster_dir), env=cluster.env
+    )
+    return status
+
+
+def lose_two_nodes_under_a_fleet(
+    cluster: MultiNode, sif: Path, cluster_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """An environment on each node; n2 crashes and n3 is cut off; then a command in each: what
+    each environment answered (by node address), once the driver stopped them all."""
+    driver = drive(FLEET, sif, cluster.work / "envs", cluster_dir)
+    try:
+        assert sorted(next_line(driver)["nodes"]) == sorted(ADDRESS.values())
+        cluster.node("crash", "n2")  # every process of it killed: Ray hears of it at once
+        cluster.node("cut", "n3")  # its link down: silence, until Ray's health checks give up
+        assert driver.stdin is not None
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        seen = {line["node"]: line for line in (next_line(driver) for _ in range(3))}
+        assert next_line(driver) == {"stopped": True}
+        driver.wait(timeout=60)
+        return seen
+    finally:
+        driver.kill()
+        driver.communicate()
+
+
+def test_nodes_lost_under_a_fleet_end_only_their_environments_and_the_head_ends_the_cluster(
+    faulty_nodes: MultiNode, multinode_sif: Path
+) -> None:
+    cluster = faulty_nodes
+    cluster_dir = cluster.work / "ray"
+    before = {node: ray_dirs(tmp) for node, tmp in cluster.node_tmp.items()}
+    ray_up(cluster, cluster_dir)
+    try:
+        seen = lose_two_nodes_under_a_fleet(cluster, multinode_sif, cluster_dir)
+        assert seen[ADDRESS["n1"]]["out"] == "ok", seen
+        for lost in ("n2", "n3"):
+            error = seen[ADDRESS[lost]]["error"]
+            assert error.startswith("EnvironmentHostUnavailable: task e"), error
+            assert f"its Ray node {ADDRESS[lost]} (node id" in error, error
+        # A crash is news at once; silence takes Ray's health checks (about a minute).
+        assert seen[ADDRESS["n2"]]["after"] < 30, seen
+
+        # The cluster goes on without them, and says so: the job runs, the two nodes are dead.
+        def ray_states() -> dict[str, str]:
+            status = ray_status(cluster, cluster_dir)
+            assert status["job_state"] == "RUNNING", status
+            # The driver's own node (on this machine) is left out: it ended with the driver.
+            nodes = status["ray_nodes"]
+            return {n["ip"]: n["status"] for n in nodes if n["ip"] in ADDRESS.values()}
+
+        deadline = time.monotonic() + 120
+        while ray_states() != {ADDRESS["n1"]: "IDLE", ADDRESS["n2"]: "DEAD", ADDRESS["n3"]: "DEAD"}:
+            assert time.monotonic() < deadline, ray_states()
+            time.sleep(2)
+
+        # Both come back. What the cut-off node still ran of the job, Slurm ends when the node
+        # registers again (it took the node out of the job meanwhile).
+        cluster.node("heal", "n3")
+        cluster.node("start", "n2")
+        deadline = time.monotonic() + 150
+        while cluster.node_pids_of_user("n3"):
+            assert time.monotonic() < deadline, cluster.node_pids_of_user("n3")
+            time.sleep(1)
+        assert ray_states()[ADDRESS["n1"]] == "IDLE"
+
+        # The head's node crashes: `ray status` says the cluster does not answer, then that its
+        # job ended; `ray down` forgets it.
+        cluster.node("crash", "n1")
+        deadline = time.monotonic() + 120
+        while (status := ray_status(cluster, cluster_dir))["job_state"] == "RUNNING":
+            assert time.monotonic() < deadline, status
+            unreachable = status["unreachable"]
+            assert unreachable is None or "does not answer" in unreachable, unreachable
+            time.sleep(2)
+        assert (status["job_state"], status["ray_nodes"]) == (None, []), status
+    finally:
+        cli("ray", "down", "--cluster-dir", str(cluster_dir), env=cluster.env, check=False)
+    assert not (cluster_dir / "cluster.json").exists()
+    assert not cluster.slurm("squeue", "-h", "-u", str(os.getuid()), "-o", "%i").strip()
+
+    # Every node back, a new cluster forms on all three: the first Ray node on each clears
+    # what the killed ones left in its /tmp, and `ray down` leaves nothing there.
+    cluster.restore()
+    ray_up(cluster, cluster_dir)
+    assert {n["ip"] for n in ray_status(cluster, cluster_dir)["ray_nodes"]} == set(ADDRESS.values())
+    cli("ray", "down", "--cluster-dir", str(cluster_dir), env=cluster.env)
+    deadline = time.monotonic() + 30
+    while any((left := {n: ray_dirs(t) - before[n] for n, t in cluster.node_tmp.items()}).values()):
+        assert time.monotonic() < deadline, left
+        time.sleep(1)
+
+
+def stop_first_raylet_of(ip: str, deadline: float) -> psutil.Process:
+    """Stop the first raylet of the node at `ip` as soon as it runs, before it registers: a node
+    too slow for Ray's fixed 30 s start-up wait (a busy machine did this to `ray up`)."""
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter(["name", "cmdline", "uids"]):
+            cmdline = process.info["cmdline"] or []
+            if (
+                process.info["name"] == "raylet"
+                and process.info["uids"].real == os.getuid()
+                and f"--node_ip_address={ip}" in cmdline
+            ):
+                process.suspend()
+                return process
+        time.sleep(0.02)
+    raise AssertionError(f"no raylet at {ip} started")
+
+
+def test_a_node_too_slow_for_rays_start_up_wait_starts_again_and_joins(
+    multinode: MultiNode,
+) -> None:
+    cluster_dir = multinode.work / "ray"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "harbor_hpc", "ray", "up", "--nodes", "3", "--cpus-per-node", "2",
+         "--partition", "multi", "--time", "30", "--wait-timeout", "240",
+         "--cluster-dir", str(cluster_dir), "--json"],
+        env=multinode.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        stuck = stop_first_raylet_of(ADDRESS["n3"], time.monotonic() + 180)
+        out, err = up.communicate(timeout=300)
+        assert up.returncode == 0, err
+        assert not stuck.is_running() or stuck.status() == psutil.STATUS_ZOMBIE
+        job_id = json.loads(out)["job_id"]
+        status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+        assert {node["ip"] for node in status["ray_nodes"]} == set(ADDRESS.values())
+        log = (cluster_dir / f"job-{job_id}.log").read_text()
+        assert "ray start failed (exit code 1: " in log and "(2 of 3)" in log, log[-3000:]
+    finally:
+        up.kill()
         cli("ray", "down", "--cluster-dir", str(cluster_dir), env=multinode.env, check=False)

@@ -1,19 +1,29 @@
 """What only shows on several nodes, on the three-node cluster (`MultiNode`): a run's array
 spread over the nodes, each trial's scratch on its own node's /tmp and gone from there after,
-and Slurm's own address of a node, which Ray nodes advertise."""
+Slurm's own address of a node, which Ray nodes advertise, a node that crashes under a run and
+comes back, and images converted on the nodes into one shared store, each verified once on
+each node that uses it."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
+from harbor_hpc.apptainer.store import is_ready
+from harbor_hpc.results.record import read_markers
 from harbor_hpc.slurm.cluster import parse_node_address
+from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
 from tests.conftest import MultiNode
 from tests.support.cli import cli_json
+from tests.support.images import TINY_DOCKERFILE, write_manifest
 from tests.support.sample_tasks import make_task
 
 SCONTROL_SHOW_NODE = (
@@ -69,3 +79,137 @@ def test_an_array_spreads_over_the_nodes_and_scratch_stays_on_each(
     }
     trial = json.loads(next((run_dir / "trials").glob("*/result.json")).read_text())
     assert trial["exception_info"] is None
+
+
+@pytest.mark.multinode
+@pytest.mark.slurm
+@pytest.mark.apptainer
+def test_a_node_that_crashes_under_a_run_loses_nothing_and_duplicates_nothing(
+    faulty_nodes: MultiNode, multinode_sif: Path
+) -> None:
+    """A node dies with every process on it while its element runs a trial. Slurm sees the node
+    gone and requeues the element; the node comes back; the element runs the trial again (a
+    new trial name), and the run ends with each task once, done, the cut trial kept apart."""
+    cluster = faulty_nodes
+    tasks = cluster.work / "tasks"
+    for name in ("a", "b", "c"):
+        make_task(tasks, name, kind="lingering", image=str(multinode_sif))
+    run_dir = cluster.work / "run"
+    submitted = cli_json(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir), "--cpus", "2",
+        "--executor", "slurm", env=cluster.env,
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while len(read_markers(run_dir)) < 3:
+        assert time.monotonic() < deadline, f"the trials never started: {submitted}"
+        time.sleep(0.5)
+    cut = next(m for m in read_markers(run_dir) if m.task == "b")
+    assert cut.host in cluster.node_tmp and cut.job is not None
+    cluster.node("crash", cut.host)
+
+    # Slurm notices the node is gone (SlurmdTimeout) and requeues the element on it, which it
+    # then holds for two minutes (its credentials' lifetime): the node comes back meanwhile.
+    while "BeginTime" not in cluster.slurm("squeue", "-h", "-j", cut.job, "-o", "%T %r"):
+        assert time.monotonic() < deadline + 120, cluster.slurm("squeue", "-j", cut.job)
+        time.sleep(1)
+    cluster.node("start", cut.host)
+    # What is tested is what happens after the hold (tests/slurm/test_runs.py lifts it so too,
+    # two seconds on: a credential of the same second as the revoked one counts as revoked).
+    time.sleep(2)
+    cluster.slurm("scontrol", "update", f"JobId={cut.job}", "StartTime=now")
+    while cluster.slurm("squeue", "-h", "-u", str(os.getuid()), "-o", "%i").strip():
+        assert time.monotonic() < deadline + 400, cluster.slurm("squeue")
+        time.sleep(1)
+
+    status = cli_json("status", str(run_dir), env=cluster.env)
+    assert [(s["task"], s["state"], s["reward"]) for s in status] == [
+        ("a", "done", 1.0),
+        ("b", "done", 1.0),
+        ("c", "done", 1.0),
+    ]
+    markers = read_markers(run_dir)
+    assert sorted(m.task for m in markers) == ["a", "b", "b", "c"]  # b cut once, run again
+    assert cut.trial not in {s["trial"] for s in status}
+    out = cluster.work / "rollouts.jsonl"
+    cli_json("export", str(run_dir), "--out", str(out), env=cluster.env)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(line["task"] for line in lines if line["counts"]) == ["a", "b", "c"]
+
+
+def push_tiny_images(count: int) -> list[str]:
+    """`count` distinct tiny images in the open registry: their pinned references."""
+    import docker
+
+    client = docker.from_env()
+    base = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    repository = f"{os.environ['HARBOR_HPC_TEST_REGISTRY']}/harbor-hpc-test/spread"
+    refs = []
+    for _ in range(count):
+        nonce = uuid.uuid4().hex[:12]
+        dockerfile = TINY_DOCKERFILE.format(base=base, nonce=nonce).encode()
+        image, _ = client.images.build(fileobj=io.BytesIO(dockerfile), tag=f"{repository}:{nonce}")
+        digest = None
+        for line in client.images.push(repository, tag=nonce, stream=True, decode=True):
+            assert "error" not in line, line
+            digest = line.get("aux", {}).get("Digest", digest)
+        client.images.remove(image.id, force=True)
+        refs.append(f"{repository}@{digest}")
+    client.close()
+    return refs
+
+
+# On each node: every .sif made ready to run there, as environments do before they start.
+CHECK = (
+    "import sys, pathlib; from harbor_hpc.apptainer.store import checked_sif\n"
+    "for sif in sys.argv[1:]: checked_sif(pathlib.Path(sif))"
+)
+
+
+@pytest.mark.multinode
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_images_convert_on_the_nodes_into_one_store_and_each_node_verifies_them_once(
+    multinode: MultiNode,
+) -> None:
+    refs = push_tiny_images(3)
+    manifest = multinode.work / "manifest.json"
+    images = {}
+    for i, ref in enumerate(refs):
+        repository, digest = ref.split("@")
+        images[f"ctx{i}"] = ImageRecord(
+            repository=repository, tag="t", digest=digest, tasks=[f"t/{i}"]
+        )
+    write_manifest(manifest, images)
+
+    def records() -> dict[str, dict[str, int]]:
+        """Each node's records of the .sifs this user verified there, and their times."""
+        found = {}
+        for node, tmp in multinode.node_tmp.items():
+            folder = tmp / f"harbor-hpc-{os.getuid()}" / "verified"
+            found[node] = {p.name: p.stat().st_mtime_ns for p in folder.glob("*")}
+        return found
+
+    before = records()  # (the node that converts an image has verified it there)
+    store = multinode.work / "store"
+    converted = cli_json(
+        "convert", "--manifest", str(manifest), "--cache-dir", str(store), "--slurm",
+        "--partition", "multi", "--time", "10", env=multinode.env,
+    )  # fmt: skip
+    assert (converted["converted"], converted["failed"]) == (3, 0), converted
+    # Two CPUs an element: one a node, all three at once, each writing into the one store.
+    logs = " ".join(p.read_text() for p in (store / ".slurm").glob("*/*_log.out"))
+    assert set(re.findall(r"hostname=(\w+)", logs)) == {"n1", "n2", "n3"}, logs[:2000]
+    sifs = sorted(Path(image.sif or "") for image in load_manifest(manifest).images.values())
+    assert all(is_ready(sif) for sif in sifs) and len(set(sifs)) == 3
+    assert sorted(p.name for p in store.iterdir() if p.suffix == ".sif") == [s.name for s in sifs]
+
+    check = ["srun", "-N3", "-n3", "-p", "multi", "-t", "5", sys.executable, "-c", CHECK]
+    multinode.slurm(*check, *map(str, sifs))
+    first = records()
+    for node in multinode.node_tmp:
+        assert len(set(first[node]) - set(before[node])) == 3, (node, first, before)
+    # A second use on the same nodes hashes nothing again: the records stand as they were.
+    multinode.slurm(*check, *map(str, sifs))
+    assert records() == first

@@ -36,6 +36,8 @@ SOLVE = {
     # Solves, but takes long enough to be caught running (and cancelled) by a test, however
     # slowly its container starts; the test then makes it a solved task for the rerun.
     "sleepy": "sleep 60\necho 42 > /tmp/answer\n",
+    # Solves after a pause long enough for a test to crash the node it runs on.
+    "lingering": "sleep 25\necho 42 > /tmp/answer\n",
     # Solves after a pause in which a test can do something to the run (fill its disk).
     "pausing": "sleep 8\necho 42 > /tmp/answer\n",
     # Solves only when the agent was given the secret its run passed with --agent-env.
