@@ -681,7 +681,9 @@ part_multinode() {
 
   cpus=$(nproc)
   mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 }' /proc/meminfo)
-  real_mem=$((mem_mb * 90 / 100 / ${#MULTI_NODES[@]})) # the machine's memory, shared
+  # Each node offers what its processes see, the machine's memory (below what slurmd measures),
+  # as it offers all of the machine's processors: the nodes share both.
+  real_mem=$((mem_mb * 90 / 100))
   tmp=$(mktemp)
   sed -e "s/@HOSTNAME@/$(hostname -s)/g" -e "s/@NET@/$MULTI_NET/g" -e "s/@CPUS@/$cpus/g" \
     -e "s/@REALMEMORY@/$real_mem/g" -e "s/@DEFMEMPERCPU@/$((real_mem / cpus))/g" \

@@ -23,7 +23,7 @@ from harbor_hpc.slurm.cluster import parse_node_address
 from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
 from tests.conftest import MultiNode
 from tests.support.cli import cli_json
-from tests.support.images import TINY_DOCKERFILE, write_manifest
+from tests.support.images import FAST_SQUASH, TINY_DOCKERFILE, write_manifest
 from tests.support.sample_tasks import make_task
 
 SCONTROL_SHOW_NODE = (
@@ -213,3 +213,36 @@ def test_images_convert_on_the_nodes_into_one_store_and_each_node_verifies_them_
     # A second use on the same nodes hashes nothing again: the records stand as they were.
     multinode.slurm(*check, *map(str, sifs))
     assert records() == first
+
+
+@pytest.mark.multinode
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.registry
+@pytest.mark.docker
+def test_contexts_build_on_the_nodes_into_one_store(multinode: MultiNode, base_image: str) -> None:
+    """`build --slurm`: three contexts, one array element each (two CPUs: one a node), built by
+    Apptainer on three nodes at once into the one shared store, the base image pulled from the
+    registry on each node."""
+    tasks = multinode.work / "tasks"
+    token = uuid.uuid4().hex[:10]
+    for name in ("a", "b", "c"):
+        task = make_task(tasks, name, image=None)
+        dockerfile = f"FROM {base_image}\nRUN echo {token}-{name} > /built\n"
+        (task / "environment" / "Dockerfile").write_text(dockerfile)
+    store, manifest = multinode.work / "store", multinode.work / "manifest.json"
+    built = cli_json(
+        "build", str(tasks), "--builder", "apptainer", "--slurm", "--partition", "multi",
+        "--cache-dir", str(store), "--manifest", str(manifest), "--time", "20",
+        env={**multinode.env, "APPTAINER_MKSQUASHFS_ARGS": FAST_SQUASH.split("=", 1)[1]},
+    )  # fmt: skip
+    assert [image["action"] for image in built["images"]] == ["built into the store"] * 3
+    logs = " ".join(p.read_text() for p in (store / ".slurm").glob("*/*_log.out"))
+    assert set(re.findall(r"hostname=(\w+)", logs)) == {"n1", "n2", "n3"}, logs[:2000]
+    records = load_manifest(manifest)
+    sifs = set()
+    for name in ("a", "b", "c"):
+        record = records.image_of(name)
+        assert record is not None and record.sif and is_ready(Path(record.sif)), name
+        sifs.add(record.sif)
+    assert len(sifs) == 3
