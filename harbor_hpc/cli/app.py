@@ -115,9 +115,11 @@ def unit_job_options(
     account: str | None,
     qos: str | None,
     time_min: int | None,
+    mem_mb: int | None,
 ) -> SlurmOptions:
     """Slurm options for an array job of one element per image or context (`convert --slurm`,
-    `build --slurm`): `--time` is per element, never the config's time_min, which sizes trials."""
+    `build --slurm`): `--time` and `--mem` are per element, never the config's time_min and
+    mem_mb, which size trials."""
     from harbor_hpc.slurm.convert import SlurmOptions
 
     return SlurmOptions(
@@ -126,6 +128,7 @@ def unit_job_options(
         qos=config.pick("qos", qos, None),
         time_min=time_min or 60,
         array_parallelism=config.pick("array_parallelism", None, None),
+        mem_mb=mem_mb,
     )
 
 

@@ -139,6 +139,10 @@ def build(
         int | None,
         typer.Option("--time", min=1, help="Minutes per context (Slurm time limit). [default: 60]"),
     ] = None,
+    mem_mb: Annotated[
+        int | None,
+        typer.Option("--mem", min=1, help="MB per context (Slurm memory). [default: 8192]"),
+    ] = None,
     dry_run: DryRunOption = False,
     json_output: JsonOption = False,
     verbose: VerboseOption = 0,
@@ -204,7 +208,7 @@ def build(
                     f"{array.log_dir}"
                 )
 
-            options = unit_job_options(config, partition, account, qos, time_min)
+            options = unit_job_options(config, partition, account, qos, time_min, mem_mb)
             backend = SlurmBuilder(
                 store,
                 manifest_file,

@@ -80,6 +80,10 @@ def convert(
         int | None,
         typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). [default: 60]"),
     ] = None,
+    mem_mb: Annotated[
+        int | None,
+        typer.Option("--mem", min=1, help="MB per image (Slurm memory). [default: 4096]"),
+    ] = None,
     dry_run: DryRunOption = False,
     json: JsonOption = False,
     verbose: VerboseOption = 0,
@@ -111,7 +115,9 @@ def convert(
         force=force,
         verify=verify,
         jobs=config.pick("jobs", jobs, 2),
-        slurm=unit_job_options(config, partition, account, qos, time_min) if slurm else None,
+        slurm=unit_job_options(config, partition, account, qos, time_min, mem_mb)
+        if slurm
+        else None,
         dry_run=dry_run,
     )
     with progress() as bar:

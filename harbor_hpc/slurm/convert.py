@@ -115,14 +115,16 @@ class SlurmOptions:
     qos: str | None = None
     time_min: int = 60
     array_parallelism: int | None = None
+    # Memory of each element, when not the step's own default.
+    mem_mb: int | None = None
 
     def request(self, name: str, *, cpus: int, mem_mb: int) -> JobRequest:
-        """What each element of an array job `name` asks for: `cpus` and `mem_mb`, where these
-        options say."""
+        """What each element of an array job `name` asks for: `cpus` and `mem_mb` (unless these
+        options name the memory), where these options say."""
         return JobRequest(
             name=name,
             time_min=self.time_min,
-            mem_mb=mem_mb,
+            mem_mb=self.mem_mb or mem_mb,
             cpus=cpus,
             partition=self.partition,
             account=self.account,

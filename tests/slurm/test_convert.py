@@ -204,8 +204,9 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -
     write_manifest(manifest, {"img": record("localhost:5000/ns/a", DIGEST, ["t/1"])})
     store = str(tmp_path / "store")
     result = cli(
-        "--manifest", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such"
-    )
+        "--manifest", str(manifest), "--cache-dir", store, "--slurm", "--partition", "no-such",
+        "--mem", "2048",
+    )  # fmt: skip
     assert result.returncode == 2
     assert (
         "error: Slurm refused the conversion job: sbatch: error: invalid partition specified: "
@@ -214,6 +215,7 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -
     assert "Traceback" not in result.stderr
     [[script]] = fake_slurm.calls("sbatch")
     assert "#SBATCH --partition=no-such" in Path(script).read_text()
+    assert "#SBATCH --mem=2048M\n" in Path(script).read_text()
 
 
 @pytest.mark.apptainer

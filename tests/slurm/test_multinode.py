@@ -195,7 +195,7 @@ def test_images_convert_on_the_nodes_into_one_store_and_each_node_verifies_them_
     store = multinode.work / "store"
     converted = cli_json(
         "convert", "--manifest", str(manifest), "--cache-dir", str(store), "--slurm",
-        "--partition", "multi", "--time", "10", env=multinode.env,
+        "--partition", "multi", "--time", "10", "--mem", "1024", env=multinode.env,
     )  # fmt: skip
     assert (converted["converted"], converted["failed"]) == (3, 0), converted
     # Two CPUs an element: one a node, all three at once, each writing into the one store.
@@ -233,7 +233,7 @@ def test_contexts_build_on_the_nodes_into_one_store(multinode: MultiNode, base_i
     store, manifest = multinode.work / "store", multinode.work / "manifest.json"
     built = cli_json(
         "build", str(tasks), "--builder", "apptainer", "--slurm", "--partition", "multi",
-        "--cache-dir", str(store), "--manifest", str(manifest), "--time", "20",
+        "--cache-dir", str(store), "--manifest", str(manifest), "--time", "20", "--mem", "4096",
         env={**multinode.env, "APPTAINER_MKSQUASHFS_ARGS": FAST_SQUASH.split("=", 1)[1]},
     )  # fmt: skip
     assert [image["action"] for image in built["images"]] == ["built into the store"] * 3
