@@ -2,8 +2,9 @@
 
 Slurm's first task starts the Ray head, the others workers (Ray's own Slurm pattern); with
 `--join ADDRESS` every task is a worker of that running cluster (a trainer's). A worker whose
-Ray ends (its node cut off, its raylet killed) ends alone: the cluster goes on without it. The
-head's end is the cluster's: it cancels the job, which ends every node. The head
+Ray ends (its raylet killed, its node given up by Ray) joins again while its node is still in
+the job; otherwise it ends alone and the cluster goes on without it. The head's end is the
+cluster's: it cancels the job, which ends every node. The head
 takes a free port (`--port=0`, no race with other users of the node) and writes the address
 it got into DIR for the workers and `ray up` to read. Each node keeps Ray's files (sockets,
 logs, `ray_current_cluster`) in a private temporary folder of its own: Ray's default /tmp/ray
@@ -218,26 +219,37 @@ def failures(cluster_dir: Path, job_id: str) -> list[str]:
     return sorted(path.read_text().strip() for path in cluster_dir.glob(f"{job_id}.*.failed"))
 
 
-def _start_until_up(command: list[str], env: dict[str, str]) -> tuple[_RayStart, int, int]:
-    """Start a worker's Ray and wait for it. One whose `ray start` failed within STARTUP_S (Ray
-    gives its raylet a fixed 30 s to register, which a busy node can miss) starts again, up to
-    START_ATTEMPTS times, after what the failed one left is ended. Ray, its exit code and the
-    number of attempts."""
+def _keep_joined(
+    command: list[str], env: dict[str, str], node: str, job_id: str
+) -> tuple[_RayStart, int, int]:
+    """Start a worker's Ray and keep it in the cluster. One whose `ray start` failed within
+    STARTUP_S (Ray gives its raylet a fixed 30 s to register, which a busy node can miss)
+    starts again, up to START_ATTEMPTS times in a row. One that was up longer and ended (its
+    raylet killed, or given up by Ray after a partition) joins again, while Slurm still counts
+    `node` in the job: a node it took out (failed under the job) would only be ended there. What
+    the last one left is ended first. Ray, its exit code and the attempts in a row."""
     attempt = 1
     while True:
         ray = _RayStart(command, env)
         code = ray.wait()
-        quick = time.monotonic() - ray.began < STARTUP_S
-        if code == 0 or not quick or attempt == START_ATTEMPTS:
+        took = time.monotonic() - ray.began
+        if code == 0:
             return ray, code, attempt
-        print(
-            f"harbor-hpc: ray start failed (exit code {code}: {ray.said or 'no message'}); "
-            f"starting it again ({attempt + 1} of {START_ATTEMPTS})",
-            file=sys.stderr,
-            flush=True,
-        )
+        if took < STARTUP_S:
+            if attempt == START_ATTEMPTS:
+                return ray, code, attempt
+            attempt += 1
+            what = f"ray start failed (exit code {code}: {ray.said or 'no message'}); "
+            what += f"starting it again ({attempt} of {START_ATTEMPTS})"
+        else:
+            with contextlib.suppress(HarborHpcError):
+                if node not in cluster.job_nodes(job_id):
+                    return ray, code, attempt
+            attempt = 1
+            what = f"Ray ended after {took:.0f} s (exit code {code}: {ray.said or 'no message'})"
+            what += "; joining the cluster again"
+        print(f"harbor-hpc: {what}", file=sys.stderr, flush=True)
         _end_descendants()
-        attempt += 1
 
 
 def stop_ray(ray: subprocess.Popen[bytes]) -> None:
@@ -302,7 +314,7 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
         else:
             address = join or _wait_for(address_file(cluster_dir, job_id), None)
             command = _ray_start(ray_dir, f"--address={address}", *own)
-            ray, code, attempts = _start_until_up(command, env)
+            ray, code, attempts = _keep_joined(command, env, node, job_id)
         took = time.monotonic() - ray.began
         if code != 0 and took < STARTUP_S:  # it never got going: `ray up` names the node
             atomic_write_text(

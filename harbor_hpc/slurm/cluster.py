@@ -503,6 +503,18 @@ def job_status(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> tuple[str, s
     return (state, reason) if state else None
 
 
+def job_nodes(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> set[str]:
+    """The nodes job `job_id` holds now: one Slurm took out of it (a node that failed under a
+    `--no-kill` job) is not among them; none once the job left the queue."""
+    hint = f"run this on a node of the cluster; {CONTROLLER_HINT}"
+    ran = _query(["squeue", "-h", "-o", "%N", "-j", job_id], timeout=timeout, hint=hint)
+    if not ran.ok or not ran.stdout.strip():
+        return set()
+    names = ["scontrol", "show", "hostnames", ran.stdout.strip()]
+    expanded = _query(names, timeout=timeout, hint=hint)
+    return set(expanded.stdout.split()) if expanded.ok else set()
+
+
 def job_state(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
     """squeue's state of one job, None once it left the queue."""
     status = job_status(job_id, timeout=timeout)

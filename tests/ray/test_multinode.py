@@ -8,6 +8,7 @@ under a fleet: one crashed, one cut off the network, then the head's; each comes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -224,24 +225,32 @@ def test_nodes_lost_under_a_fleet_end_only_their_environments_and_the_head_ends_
         time.sleep(1)
 
 
+def raylet_at(ip: str) -> psutil.Process:
+    """This user's raylet of the node at `ip`."""
+    for process in psutil.process_iter(["name", "cmdline", "uids"]):
+        cmdline = process.info["cmdline"] or []
+        if (
+            process.info["name"] == "raylet"
+            and process.info["uids"].real == os.getuid()
+            and f"--node_ip_address={ip}" in cmdline
+        ):
+            return process
+    raise AssertionError(f"no raylet at {ip}")
+
+
 def stop_first_raylet_of(ip: str, deadline: float) -> psutil.Process:
     """Stop the first raylet of the node at `ip` as soon as it runs, before it registers: a node
     too slow for Ray's fixed 30 s start-up wait (a busy machine did this to `ray up`)."""
     while time.monotonic() < deadline:
-        for process in psutil.process_iter(["name", "cmdline", "uids"]):
-            cmdline = process.info["cmdline"] or []
-            if (
-                process.info["name"] == "raylet"
-                and process.info["uids"].real == os.getuid()
-                and f"--node_ip_address={ip}" in cmdline
-            ):
-                process.suspend()
-                return process
+        with contextlib.suppress(AssertionError, psutil.Error):
+            raylet = raylet_at(ip)
+            raylet.suspend()
+            return raylet
         time.sleep(0.02)
     raise AssertionError(f"no raylet at {ip} started")
 
 
-def test_a_node_too_slow_for_rays_start_up_wait_starts_again_and_joins(
+def test_a_node_too_slow_for_rays_start_up_wait_or_whose_raylet_died_joins_again(
     multinode: MultiNode,
 ) -> None:
     cluster_dir = multinode.work / "ray"
@@ -261,6 +270,20 @@ def test_a_node_too_slow_for_rays_start_up_wait_starts_again_and_joins(
         assert {node["ip"] for node in status["ray_nodes"]} == set(ADDRESS.values())
         log = (cluster_dir / f"job-{job_id}.log").read_text()
         assert "ray start failed (exit code 1: " in log and "(2 of 3)" in log, log[-3000:]
+
+        # A node whose Ray ends while the node stays in the job (its raylet killed) joins again.
+        (gone,) = [node for node in status["ray_nodes"] if node["ip"] == ADDRESS["n2"]]
+        raylet_at(ADDRESS["n2"]).kill()
+        deadline = time.monotonic() + 120
+        while True:
+            status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+            at_n2 = {
+                n["node_id"]: n["status"] for n in status["ray_nodes"] if n["ip"] == ADDRESS["n2"]
+            }
+            if at_n2.get(gone["node_id"]) == "DEAD" and "IDLE" in at_n2.values():
+                break
+            assert time.monotonic() < deadline, at_n2
+            time.sleep(1)
     finally:
         up.kill()
         cli("ray", "down", "--cluster-dir", str(cluster_dir), env=multinode.env, check=False)
