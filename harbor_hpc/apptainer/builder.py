@@ -30,7 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harbor_hpc.apptainer.runtime import find_apptainer
-from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.apptainer.sif import raw_config, write_image_config
 from harbor_hpc.apptainer.store import (
     CONVERT_TIMEOUT_S,
@@ -43,6 +42,7 @@ from harbor_hpc.apptainer.store import (
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.core.proc import run
+from harbor_hpc.core.scratch import PrivateDir
 from harbor_hpc.images.build import (
     Builder,
     BuildPlan,

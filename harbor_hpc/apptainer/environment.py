@@ -76,10 +76,10 @@ from harbor_hpc.apptainer.runtime import (
     run_flags,
     task_container_command,
 )
-from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.watchdog import MemoryWatchdog
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.scratch import PrivateDir
 from harbor_hpc.tasks.compose import MAIN, Compose, UnsupportedCompose, Volume, load_compose
 
 # Docker's working directory when the image names none.

@@ -34,11 +34,11 @@ from harbor_hpc.apptainer.runtime import (
     first_that_runs,
     task_container_command,
 )
-from harbor_hpc.apptainer.scratch import PrivateDir
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import file_lock
 from harbor_hpc.core.probe import Finding, Status, current_user
 from harbor_hpc.core.proc import run
+from harbor_hpc.core.scratch import PrivateDir
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from harbor_hpc.apptainer.scratch import PrivateDir
+from harbor_hpc.core.scratch import PrivateDir
 from harbor_hpc.ray.node import stop_ray
 
 # How long the node may take to join before the driver gives up.

@@ -1,4 +1,4 @@
-"""`manifests/manifest.schema.json` describes exactly what `manifest.py` writes."""
+"""`harbor_hpc/schemas/manifest.schema.json` describes exactly what `manifest.py` writes."""
 
 from __future__ import annotations
 
@@ -19,19 +19,21 @@ from harbor_hpc.tasks.manifest import (
 
 jsonschema = pytest.importorskip("jsonschema")
 
-MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = REPO / "harbor_hpc" / "schemas" / "manifest.schema.json"
+EXAMPLE = REPO / "examples" / "manifest.json"
 CONTEXT = "0123456789abcdef" * 4
 DIGEST = "sha256:" + "f" * 64
 
 
 def validate(data: Any) -> None:
-    schema = json.loads((MANIFESTS / "manifest.schema.json").read_text())
+    schema = json.loads(SCHEMA.read_text())
     jsonschema.Draft202012Validator.check_schema(schema)
     jsonschema.validate(data, schema, cls=jsonschema.Draft202012Validator)
 
 
 def test_example_is_valid() -> None:
-    validate(json.loads((MANIFESTS / "example.json").read_text()))
+    validate(json.loads(EXAMPLE.read_text()))
 
 
 def test_a_written_manifest_is_valid(tmp_path: Path) -> None:
@@ -48,7 +50,7 @@ def test_a_written_manifest_is_valid(tmp_path: Path) -> None:
 
 
 def test_the_schema_rejects_what_the_model_never_writes(tmp_path: Path) -> None:
-    data = json.loads((MANIFESTS / "example.json").read_text())
+    data = json.loads(EXAMPLE.read_text())
     next(iter(data["images"].values()))["digest"] = "latest"
     with pytest.raises(jsonschema.ValidationError):
         validate(data)
@@ -61,7 +63,7 @@ TASK = "scientific_computing/task-001"
 
 def edited_example(path: tuple[str, ...], value: object) -> Any:
     """The example manifest with the value at `path` (keys, outermost first) set to `value`."""
-    data = json.loads((MANIFESTS / "example.json").read_text())
+    data = json.loads(EXAMPLE.read_text())
     parent = data
     for key in path[:-1]:
         parent = parent[key]
@@ -124,7 +126,7 @@ def test_the_loader_checks_the_references_it_builds_on(
 
 
 def test_a_missing_field_is_named(tmp_path: Path) -> None:
-    data = json.loads((MANIFESTS / "example.json").read_text())
+    data = json.loads(EXAMPLE.read_text())
     del data["tasks"][TASK]["error"]
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(data))
@@ -133,6 +135,6 @@ def test_a_missing_field_is_named(tmp_path: Path) -> None:
 
 
 def test_the_loader_reads_the_example(tmp_path: Path) -> None:
-    manifest = load_manifest(MANIFESTS / "example.json")
+    manifest = load_manifest(EXAMPLE)
     assert manifest.tasks[TASK].verifier is not None
     assert manifest.images[VERIFIER_IMAGE].verifier_tasks

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.scratch import LOCK, PrivateDir, sweep
+from harbor_hpc.core.scratch import LOCK, PrivateDir, sweep
 from tests.support.processes import gone_within
 
 OWNER = """
 import os, signal, sys
 from pathlib import Path
-from harbor_hpc.apptainer.scratch import PrivateDir
+from harbor_hpc.core.scratch import PrivateDir
 folder = PrivateDir("t-", Path(sys.argv[1]))
 (folder.path / "inside").mkdir()
 (folder.path / "inside" / "file").write_text("x")
