@@ -100,6 +100,14 @@ AccountOption = Annotated[
     str | None, typer.Option("--account", help="Slurm account. [config: account]")
 ]
 QosOption = Annotated[str | None, typer.Option("--qos", help="Slurm QOS. [config: qos]")]
+NoHttpsOption = Annotated[
+    bool,
+    typer.Option(
+        "--nohttps",
+        help="Reach the registry over plain HTTP, as a lab's may need (a loopback one always "
+        "is). Off unless given, set in the config (nohttps) or by APPTAINER_NOHTTPS=1.",
+    ),
+]
 VerboseOption = Annotated[
     int, typer.Option("--verbose", "-v", count=True, help="More detail: -v info, -vv debug.")
 ]
@@ -107,6 +115,11 @@ VerboseOption = Annotated[
 console = Console(stderr=True, soft_wrap=True)  # one line per message, in logs too
 stdout = Console(soft_wrap=True)
 _verbosity = 0
+
+
+def plain_http(config: Config, nohttps: bool) -> bool | None:
+    """`--nohttps`, else the config's `nohttps`; None leaves it to APPTAINER_NOHTTPS."""
+    return True if nohttps else config.pick("nohttps", None, None)
 
 
 def unit_job_options(

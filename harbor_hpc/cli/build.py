@@ -18,6 +18,7 @@ from harbor_hpc.cli.app import (
     JobsOption,
     JsonOption,
     ManifestOption,
+    NoHttpsOption,
     PartitionOption,
     QosOption,
     TasksArgument,
@@ -27,6 +28,7 @@ from harbor_hpc.cli.app import (
     console,
     info,
     manifest_path,
+    plain_http,
     progress,
     render,
     setup,
@@ -102,15 +104,7 @@ def build(
             "else $TMPDIR, else /tmp]",
         ),
     ] = None,
-    nohttps: Annotated[
-        bool,
-        typer.Option(
-            "--nohttps",
-            help="Reach the registry over plain HTTP (the Docker builder's pushes, the Apptainer "
-            "builder's FROM images). Off unless given, set in the config (nohttps) or by "
-            "APPTAINER_NOHTTPS=1.",
-        ),
-    ] = False,
+    nohttps: NoHttpsOption = False,
     jobs: JobsOption = None,
     build_arg: BuildArgOption = None,
     no_push: Annotated[
@@ -193,10 +187,10 @@ def build(
                 hint="fix the named files and run again",
             )
         return
-    plain_http = True if nohttps else config.pick("nohttps", None, None)
+    use_http = plain_http(config, nohttps)
     backend: Builder
     if chosen is BuilderKind.DOCKER:
-        backend = DockerBuilder(plan, push=not no_push, nohttps=bool(plain_http))
+        backend = DockerBuilder(plan, push=not no_push, nohttps=bool(use_http))
     else:
         scratch = scratch_dir or config.pick("scratch_dir", None, None)
         store, scratch_path = default_store(cache_dir, config), Path(scratch) if scratch else None
@@ -214,13 +208,13 @@ def build(
                 manifest_file,
                 options,
                 build_args=plan.build_args,
-                nohttps=plain_http,
+                nohttps=use_http,
                 scratch=scratch_path,
                 on_submitted=submitted,
             )
         else:
             backend = ApptainerBuilder(
-                store, build_args=plan.build_args, nohttps=plain_http, scratch=scratch_path
+                store, build_args=plan.build_args, nohttps=use_http, scratch=scratch_path
             )
     with progress() as bar:
         overall = bar.add_task("images", total=len(plan.images), current="")

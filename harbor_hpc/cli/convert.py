@@ -14,6 +14,7 @@ from harbor_hpc.cli.app import (
     JobsOption,
     JsonOption,
     ManifestOption,
+    NoHttpsOption,
     PartitionOption,
     QosOption,
     VerboseOption,
@@ -21,6 +22,7 @@ from harbor_hpc.cli.app import (
     console,
     info,
     manifest_path,
+    plain_http,
     progress,
     render,
     setup,
@@ -38,14 +40,7 @@ def convert(
     manifest: ManifestOption = None,
     cache_dir: CacheDirOption = None,
     jobs: JobsOption = None,
-    nohttps: Annotated[
-        bool,
-        typer.Option(
-            "--nohttps",
-            help="Reach the registry over plain HTTP (a loopback or lab registry). Off unless "
-            "given, set in the config (nohttps) or by APPTAINER_NOHTTPS=1.",
-        ),
-    ] = False,
+    nohttps: NoHttpsOption = False,
     source: Annotated[
         str,
         typer.Option(
@@ -111,7 +106,7 @@ def convert(
         manifest=manifest_path(manifest),
         store=default_store(cache_dir, config),
         source=parse_source(source),
-        nohttps=True if nohttps else config.pick("nohttps", None, None),
+        nohttps=plain_http(config, nohttps),
         force=force,
         verify=verify,
         jobs=config.pick("jobs", jobs, 2),
