@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harbor_hpc.apptainer.store import mark_checked, parse_source, sif_path_for
+from harbor_hpc.apptainer.store import mark_checked, resolve_source, sif_path_for
 from harbor_hpc.slurm.convert import plan_conversions
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
@@ -42,7 +42,7 @@ def make_store(root: Path, images: int) -> Path:
         sif.parent.mkdir(parents=True, exist_ok=True)
         sif.write_bytes(b"stand-in image")
         reference = record.reference or ""
-        mark_checked(sif, parse_source(reference, nohttps=False), reference)
+        mark_checked(sif, resolve_source(reference, nohttps=False), reference)
     path = root / "manifest.json"
     save_manifest(path, manifest)
     return path

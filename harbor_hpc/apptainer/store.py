@@ -80,22 +80,24 @@ def nohttps_default() -> bool:
 
 
 @dataclass(frozen=True)
-class Source:
-    """What to convert and how: `uri` for Apptainer, `name` for the file in the store."""
+class ResolvedImage:
+    """An image source resolved for the store: `uri` for Apptainer, `name` (its digest) for the
+    file in the store. (`convert --source`, where a manifest's images come from, is another idea:
+    `harbor_hpc.slurm.convert.Source`.)"""
 
     uri: str
     name: str
     build: bool  # `apptainer build` (daemon, archive) rather than `pull` (registry)
 
 
-def parse_source(source: str, *, nohttps: bool) -> Source:
+def resolve_source(source: str, *, nohttps: bool) -> ResolvedImage:
     """Work out where `source` comes from and the digest that names its .sif."""
     if source.startswith("docker-daemon://"):
         image = source.removeprefix("docker-daemon://")
-        return Source(source, _digest_name(_daemon_image_id(image)), build=True)
+        return ResolvedImage(source, _digest_name(_daemon_image_id(image)), build=True)
     if source.startswith("docker-archive://"):
         archive = Path(source.removeprefix("docker-archive://")).expanduser()
-        return Source(f"docker-archive://{archive}", _archive_name(archive), build=True)
+        return ResolvedImage(f"docker-archive://{archive}", _archive_name(archive), build=True)
     if "://" in source and not source.startswith("docker://"):
         raise InputError(
             f"{source}: unsupported image source",
@@ -107,7 +109,7 @@ def parse_source(source: str, *, nohttps: bool) -> Source:
         # Pinned to what the tag names now, so the file's name and content agree even if the
         # tag moves during the conversion.
         ref = replace(ref, digest=resolve_digest(ref, nohttps=nohttps))
-    return Source(ref.pinned, _digest_name(ref.digest or ""), build=False)
+    return ResolvedImage(ref.pinned, _digest_name(ref.digest or ""), build=False)
 
 
 def _digest_name(digest: str) -> str:
@@ -122,7 +124,7 @@ def sif_path_for(source: str, cache_dir: Path, *, nohttps: bool | None = None) -
     """
     if _is_sif_path(source):
         return Path(source)
-    parsed = parse_source(source, nohttps=nohttps_default() if nohttps is None else nohttps)
+    parsed = resolve_source(source, nohttps=nohttps_default() if nohttps is None else nohttps)
     return cache_dir / f"{parsed.name}.sif"
 
 
@@ -208,7 +210,7 @@ def checked_sif(sif: Path, *, nohttps: bool | None = None) -> Path:
             hint="convert its image again (harbor-hpc convert --force); an image built into the "
             "store (`build --builder apptainer`): remove it and build again",
         )
-    parsed = Source(uri, sif.stem, build=build)
+    parsed = ResolvedImage(uri, sif.stem, build=build)
     return _ensure(parsed, str(marker.get("source") or uri), sif, nohttps=nohttps, force=False)
 
 
@@ -229,12 +231,14 @@ def ensure_sif(
             raise InputError(f"{source}: no such .sif file")
         return path
     use_http = nohttps_default() if nohttps is None else nohttps
-    parsed = parse_source(source, nohttps=use_http)
+    parsed = resolve_source(source, nohttps=use_http)
     final = cache_dir.expanduser().absolute() / f"{parsed.name}.sif"
     return _ensure(parsed, source, final, nohttps=use_http, force=force)
 
 
-def _ensure(parsed: Source, source: str, final: Path, *, nohttps: bool | None, force: bool) -> Path:
+def _ensure(
+    parsed: ResolvedImage, source: str, final: Path, *, nohttps: bool | None, force: bool
+) -> Path:
     if not force and _trusted(final):
         return final
     cache_dir = final.parent
@@ -259,7 +263,7 @@ def _ensure(parsed: Source, source: str, final: Path, *, nohttps: bool | None, f
     return final
 
 
-def _recoverable(final: Path, parsed: Source) -> bool:
+def _recoverable(final: Path, parsed: ResolvedImage) -> bool:
     """Whether an existing, unready `final` can be trusted again without converting: its content
     is still what was recorded (only its time stamps changed), or it was finished by a converter
     that crashed before writing its marker and it runs. Only a lock holder may call this."""
@@ -332,7 +336,7 @@ def _usable(sif: Path) -> bool:
     return True
 
 
-def _convert(parsed: Source, source: str, final: Path, *, use_http: bool) -> None:
+def _convert(parsed: ResolvedImage, source: str, final: Path, *, use_http: bool) -> None:
     partial = final.with_name(f".{parsed.name}.{_process_tag()}.partial")
     shared = _shared(final.parent)
     root = _work_root(final.parent)
@@ -394,7 +398,9 @@ def store_built(built: Path, final: Path, origin: str) -> str:
                     partial.chmod(partial.stat().st_mode | 0o040)
                 digest = _sha256(partial)
                 os.replace(partial, final)
-                mark_checked(final, Source("", final.stem, build=True), origin, sha256=digest)
+                mark_checked(
+                    final, ResolvedImage("", final.stem, build=True), origin, sha256=digest
+                )
             finally:
                 partial.unlink(missing_ok=True)
     except OSError as exc:
@@ -406,7 +412,9 @@ def store_built(built: Path, final: Path, origin: str) -> str:
     return digest
 
 
-def mark_checked(sif: Path, parsed: Source, source: str, *, sha256: str | None = None) -> None:
+def mark_checked(
+    sif: Path, parsed: ResolvedImage, source: str, *, sha256: str | None = None
+) -> None:
     """Record that `sif`, as it is now, was checked to run, with its content's sha256 and where
     it came from: `is_ready` trusts it from here on, and a damaged copy can be made again."""
     stat_ = sif.stat()
