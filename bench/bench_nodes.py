@@ -23,11 +23,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from tests.support.images import build_debian_sif
+from tests.support.multinode import multinode_work
 from tests.support.sample_tasks import make_task
 
 
@@ -57,11 +57,7 @@ def main() -> None:
     parser.add_argument("--tasks-per-job", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=2)
     args = parser.parse_args()
-    conf = os.environ.get("HARBOR_HPC_TEST_MULTI_SLURM_CONF")
-    shared = os.environ.get("HARBOR_HPC_TEST_SHARED_DIR")
-    if not conf or not shared:
-        sys.exit("source /var/lib/harbor-hpc-ci/env.sh first (the multi-node cluster's names)")
-    work = Path(tempfile.mkdtemp(prefix="bench-nodes-", dir=shared))
+    multi, work = multinode_work("bench-nodes-")
     try:
         sif = build_debian_sif(work, os.environ, background=False)
         tasks = work / "tasks"
@@ -69,7 +65,7 @@ def main() -> None:
             make_task(tasks, f"t{i:04d}", image=str(sif))
         clusters = {
             "1 node (the one-node cluster)": dict(os.environ),
-            "3 nodes (one machine's namespaces)": {**os.environ, "SLURM_CONF": conf},
+            "3 nodes (one machine's namespaces)": multi,
         }
         figures = {
             name: timed_run(tasks, work / f"run-{i}", args, env)

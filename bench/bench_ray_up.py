@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from tests.support.multinode import multinode_work
 
 
 def harbor_hpc(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -52,12 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-    conf = os.environ.get("HARBOR_HPC_TEST_MULTI_SLURM_CONF")
-    shared = os.environ.get("HARBOR_HPC_TEST_SHARED_DIR")
-    if not conf or not shared:
-        sys.exit("needs the multi-node cluster: source /var/lib/harbor-hpc-ci/env.sh first")
-    env = {**os.environ, "SLURM_CONF": conf}
-    work = Path(tempfile.mkdtemp(prefix=f"bench-ray-up-{os.getuid()}-", dir=shared))
+    env, work = multinode_work("bench-ray-up-")
     times, failures = [], []
     try:
         for number in range(1, args.rounds + 1):
