@@ -28,7 +28,10 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils._paths import filter_repo_objects  # what snapshot_download uses
+
+# What snapshot_download matches files with. Public: in huggingface_hub.utils.__all__, which the
+# package builds at run time, where mypy cannot read it (checked with huggingface_hub 1.33).
+from huggingface_hub.utils import filter_repo_objects  # type: ignore[attr-defined]
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
 

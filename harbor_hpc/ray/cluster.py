@@ -64,8 +64,8 @@ def _ray_modules(cluster_dir: Path | None) -> tuple[ModuleType, ModuleType, Modu
     if problem:
         raise InputError(problem, hint=INSTALL_HINT)
     return (
-        # Ray has no public GCS client (checked with Ray 2.60); the status tests fail at once
-        # should this one move.
+        # Ray has no public GCS client (checked with Ray 2.60): its private one, here only;
+        # tests/ray/test_cluster.py (`ray up`, `ray status`) fails at once should it move.
         importlib.import_module("ray._raylet"),
         importlib.import_module("ray.autoscaler.v2.sdk"),
         importlib.import_module("ray.core.generated.autoscaler_pb2"),

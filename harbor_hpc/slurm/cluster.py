@@ -346,6 +346,9 @@ def _bounded_slurm_executor() -> type[submitit.SlurmExecutor]:
     for sbatch without a limit. (A class made on first use: submitit loads only then.)"""
     import submitit
 
+    # submitit has no public hook for the sbatch command line: this overrides its private
+    # `_make_submission_command` (checked with submitit 1.5.4). Should it move, the override
+    # would silently do nothing; tests/slurm/test_cluster.py then fails at once.
     class BoundedSlurmExecutor(submitit.SlurmExecutor):
         def _make_submission_command(self, submission_file_path: Path) -> list[str]:
             sbatch = super()._make_submission_command(submission_file_path)

@@ -10,7 +10,7 @@ import pytest
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm import cluster
-from harbor_hpc.slurm.cluster import Executor, NodeLimits, SlurmError
+from harbor_hpc.slurm.cluster import Executor, JobRequest, NodeLimits, SlurmError
 from tests.support.fake_slurm import (
     RECORDED,
     SBATCH_BAD_PARTITION,
@@ -98,6 +98,31 @@ def test_a_hung_command_is_cut_short(fake_slurm: FakeSlurm) -> None:
     with pytest.raises(SlurmError, match=r"sinfo.* did not answer within 0\.5 s"):
         cluster.partition_limits("debug", timeout=0.5)
     assert time.monotonic() - started < 5
+
+
+def test_a_hung_sbatch_under_submitit_is_cut_short(
+    fake_slurm: FakeSlurm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound rests on overriding submitit's private `_make_submission_command`: if submitit
+    # renamed it, the override would silently do nothing and sbatch would hang here.
+    import submitit
+
+    assert hasattr(submitit.SlurmExecutor, "_make_submission_command"), (
+        "submitit no longer has SlurmExecutor._make_submission_command: "
+        "harbor_hpc/slurm/cluster.py's BoundedSlurmExecutor no longer bounds sbatch"
+    )
+    monkeypatch.setattr(cluster, "SBATCH_TIMEOUT_S", 0.5)
+    fake_slurm.answer("sbatch", hang_s=30)
+    request = JobRequest("harbor-hpc-test", time_min=2, mem_mb=200, cpus=1)
+    pool = cluster.executor(tmp_path / "jobs", Executor.SLURM, request)
+    started = time.monotonic()
+    with pytest.raises(SlurmError) as hung:
+        cluster.submit_array(pool, str, [1], what="the test array", hint="try again")
+    assert time.monotonic() - started < 10
+    assert hung.value.message == (
+        "Slurm refused the test array: sbatch did not answer within 0.5 s"
+    )
+    assert hung.value.exit_code == 1
 
 
 def test_a_missing_command_says_where_to_run(
