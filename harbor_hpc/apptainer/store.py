@@ -74,8 +74,11 @@ _TRUE = {"1", "true", "yes", "on"}
 CONVERT_TIMEOUT_S = 3 * 3600.0
 
 
-def nohttps_default() -> bool:
-    """Whether APPTAINER_NOHTTPS asks for plain HTTP to registries (off unless set)."""
+def resolve_nohttps(nohttps: bool | None) -> bool:
+    """Whether to reach registries over plain HTTP: `nohttps` when given (the command line or
+    the config decided), else what APPTAINER_NOHTTPS asks for (off unless set)."""
+    if nohttps is not None:
+        return nohttps
     return os.environ.get("APPTAINER_NOHTTPS", "").strip().lower() in _TRUE
 
 
@@ -124,7 +127,7 @@ def sif_path_for(source: str, cache_dir: Path, *, nohttps: bool | None = None) -
     """
     if _is_sif_path(source):
         return Path(source)
-    parsed = resolve_source(source, nohttps=nohttps_default() if nohttps is None else nohttps)
+    parsed = resolve_source(source, nohttps=resolve_nohttps(nohttps))
     return cache_dir / f"{parsed.name}.sif"
 
 
@@ -211,7 +214,8 @@ def checked_sif(sif: Path, *, nohttps: bool | None = None) -> Path:
             "store (`build --builder apptainer`): remove it and build again",
         )
     parsed = ResolvedImage(uri, sif.stem, build=build)
-    return _ensure(parsed, str(marker.get("source") or uri), sif, nohttps=nohttps, force=False)
+    source = str(marker.get("source") or uri)
+    return _ensure(parsed, source, sif, use_http=resolve_nohttps(nohttps), force=False)
 
 
 def ensure_sif(
@@ -230,19 +234,18 @@ def ensure_sif(
         if not path.is_file():
             raise InputError(f"{source}: no such .sif file")
         return path
-    use_http = nohttps_default() if nohttps is None else nohttps
+    use_http = resolve_nohttps(nohttps)
     parsed = resolve_source(source, nohttps=use_http)
     final = cache_dir.expanduser().absolute() / f"{parsed.name}.sif"
-    return _ensure(parsed, source, final, nohttps=use_http, force=force)
+    return _ensure(parsed, source, final, use_http=use_http, force=force)
 
 
 def _ensure(
-    parsed: ResolvedImage, source: str, final: Path, *, nohttps: bool | None, force: bool
+    parsed: ResolvedImage, source: str, final: Path, *, use_http: bool, force: bool
 ) -> Path:
     if not force and _trusted(final):
         return final
     cache_dir = final.parent
-    use_http = nohttps_default() if nohttps is None else nohttps
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _image_lock(cache_dir, parsed.name):
@@ -561,9 +564,7 @@ def unavailable(source: str, cache_dir: Path, *, nohttps: bool | None = None) ->
         ref = Reference.parse(source)
         if ref.digest is not None and is_ready(cache_dir / f"{_digest_name(ref.digest)}.sif"):
             return None
-        registry = _apptainer_registry(
-            ref.host, plain_http=nohttps_default() if nohttps is None else nohttps
-        )
+        registry = _apptainer_registry(ref.host, plain_http=resolve_nohttps(nohttps))
         found = registry.manifest_digest(ref.repository, ref.digest or ref.tag or "latest")
     except HarborHpcError as exc:
         return exc.message

@@ -27,7 +27,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.store import ensure_sif, is_ready, nohttps_default, sif_path_for, verify
+from harbor_hpc.apptainer.store import ensure_sif, is_ready, resolve_nohttps, sif_path_for, verify
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor, JobRequest
@@ -353,7 +353,7 @@ def run_conversions(
     `on_submitted` once the Slurm array job is queued.
     """
     cache_dir = cache_dir.expanduser().absolute()
-    use_http = nohttps_default() if nohttps is None else nohttps
+    use_http = resolve_nohttps(nohttps)
     _record(manifest_path, [c for c in conversions if c.state is ConversionState.CACHED])
     todo = [c for c in conversions if c.state is ConversionState.TO_CONVERT]
     if not todo:
