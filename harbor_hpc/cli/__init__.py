@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from harbor_hpc.cli import commands  # noqa: F401  (registers the subcommands on `app`)
 from harbor_hpc.cli.app import app, console, verbosity
-from harbor_hpc.core.errors import HarborHpcError, from_os_error
+from harbor_hpc.core.errors import HarborHpcError, ReportedFailure, from_os_error
 from harbor_hpc.core.proc import stop_all
 
 
@@ -25,6 +25,8 @@ def main() -> None:
         signal.signal(signal.SIGHUP, _terminated)
     try:
         app()
+    except ReportedFailure as exc:  # the command's report named each failure already
+        sys.exit(exc.exit_code)
     except HarborHpcError as exc:
         _fail(exc)
     except OSError as exc:  # the machine refused (a full disk, a permission) where no step did

@@ -30,6 +30,7 @@ from harbor_hpc.cli.app import (
     unit_job_options,
 )
 from harbor_hpc.core.config import cache_dir as default_store
+from harbor_hpc.core.errors import ReportedFailure
 
 if TYPE_CHECKING:  # the conversion machinery loads when a conversion runs
     from harbor_hpc.slurm.convert import ConversionArray, ConvertReport
@@ -130,7 +131,7 @@ def convert(
         )
     render(report, json=json, show=_show)
     if report.failed:
-        raise typer.Exit(1)
+        raise ReportedFailure
 
 
 def _show(report: ConvertReport) -> None:

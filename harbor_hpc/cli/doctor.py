@@ -19,7 +19,7 @@ from harbor_hpc.cli.app import (
     setup,
     stdout,
 )
-from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.errors import HarborHpcError, ReportedFailure
 from harbor_hpc.doctor import PART_TITLES, REQUIRED_PARTS, Report, Role, Status, run_doctor
 
 _STYLES = {Status.OK: "green", Status.WARN: "yellow", Status.MISSING: "red bold"}
@@ -71,7 +71,7 @@ def doctor(
             "each fix is above",
             highlight=False,
         )
-        raise typer.Exit(1)
+        raise ReportedFailure
     console.print(f"[green]ready[/] for {_roles(role)}", highlight=False)
 
 

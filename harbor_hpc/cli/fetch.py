@@ -21,6 +21,7 @@ from harbor_hpc.cli.app import (
     setup,
     stdout,
 )
+from harbor_hpc.core.errors import ReportedFailure
 
 if TYPE_CHECKING:
     from harbor_hpc.fetch import FetchPlan, FetchReport
@@ -100,7 +101,7 @@ def fetch_command(
     _show_failures(report)  # on stderr, with --json too
     render(report, json=json, show=_show_report)
     if report.failed:
-        raise typer.Exit(1)
+        raise ReportedFailure
 
 
 def _show_plan(plan: FetchPlan) -> None:

@@ -33,6 +33,7 @@ from harbor_hpc.cli.app import (
     stdout,
     warn,
 )
+from harbor_hpc.core.errors import ReportedFailure
 from harbor_hpc.results.classify import AttemptState
 from harbor_hpc.results.export import ExportFormat
 
@@ -438,4 +439,4 @@ def _follow(run_dir: Path) -> None:
         more = f" and {len(attempts) - FAILED_SHOWN} more" if len(attempts) > FAILED_SHOWN else ""
         info(f"  {failure} ({len(attempts)}): {shown}{more}")
     info(f"details: harbor-hpc status {run_dir}")
-    raise typer.Exit(1)
+    raise ReportedFailure

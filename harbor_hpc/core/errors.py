@@ -1,7 +1,8 @@
 """The one exception type the CLI turns into a clean message and an exit code.
 
 Modules raise `HarborHpcError` for anything a user can fix (bad input, a missing tool, a refused
-push); the message names the file, task or member at fault and `hint` says what to do. Anything
+push); the message names the file, task or member at fault and `hint` says what to do. A command
+whose report already names each of its failures ends with `ReportedFailure` (exit 1). Anything
 else escaping to the CLI is a bug, reported in one line (with the traceback only under `-v`),
 except the machine's own refusals (a full disk, a quota, a permission, a read-only filesystem),
 which `from_os_error` names wherever they surface.
@@ -34,6 +35,14 @@ class HarborHpcError(Exception):
         self.message = message
         self.hint = hint
         self.exit_code = exit_code
+
+
+class ReportedFailure(HarborHpcError):
+    """Part of a command's work failed, and the report it printed already names each failure:
+    the CLI exits 1 and adds nothing to it."""
+
+    def __init__(self) -> None:
+        super().__init__("part of the work failed: the report above names each failure")
 
 
 class InputError(HarborHpcError):
