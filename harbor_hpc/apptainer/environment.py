@@ -53,7 +53,7 @@ from harbor_hpc.apptainer.container import (
     launcher,
 )
 from harbor_hpc.apptainer.egress import Egress
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, flag
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
     ImageUnavailable,
@@ -94,13 +94,6 @@ BASE_KWARGS = frozenset(
     for name in inspect.signature(BaseEnvironment.__init__).parameters
     if name not in {"self", "args", "kwargs"}
 ) | {"suppress_override_warnings"}
-
-
-def _flag(value: Any) -> bool:
-    """A boolean kwarg as `--environment-kwarg k=v` may deliver it (JSON or a plain string)."""
-    if isinstance(value, str):
-        return value.strip().lower() in {"1", "true", "yes", "on"}
-    return bool(value)
 
 
 @functools.cache
@@ -238,12 +231,12 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._cache_dir = (
             Path(singularity_image_cache_dir).expanduser() if singularity_image_cache_dir else None
         )
-        self._force_pull = _flag(singularity_force_pull)
+        self._force_pull = flag(singularity_force_pull)
         self._no_mount = DEFAULT_NO_MOUNT if singularity_no_mount is None else singularity_no_mount
         self._workdir_kwarg = workdir
-        self._fakeroot = _flag(fakeroot)
-        self._nohttps = None if nohttps is None else _flag(nohttps)
-        self._watchdog_enabled = _flag(memory_watchdog)
+        self._fakeroot = flag(fakeroot)
+        self._nohttps = None if nohttps is None else flag(nohttps)
+        self._watchdog_enabled = flag(memory_watchdog)
         self._kill_fraction = float(memory_kill_fraction)
         if not 0 < self._kill_fraction <= 1:
             raise ValueError(

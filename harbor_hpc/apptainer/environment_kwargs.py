@@ -4,6 +4,7 @@ the one definition `submit` checks before queueing and our environment checks wh
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 # The environment `submit` runs trials in unless told otherwise, by the import path Harbor takes.
 ENVIRONMENT = "harbor_hpc.environment:SingularityEnvironment"
@@ -44,3 +45,10 @@ def accepted_environment_kwargs(cls: type) -> list[str]:
     if forwarded_to is not None:
         names |= set(accepted_environment_kwargs(forwarded_to))
     return sorted(names - HARBOR_PASSES)
+
+
+def flag(value: Any) -> bool:
+    """A boolean kwarg as `--environment-kwarg k=v` may deliver it (JSON or a plain string)."""
+    if isinstance(value, str):
+        return value.strip().lower() in {"1", "true", "yes", "on"}
+    return bool(value)

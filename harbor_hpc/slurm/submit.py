@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT, accepted_environment_kwargs
+from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT, accepted_environment_kwargs, flag
 from harbor_hpc.apptainer.store import sif_file, unavailable
 from harbor_hpc.core.config import Config, cache_dir, chosen_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
@@ -239,7 +239,7 @@ def reference_check(environment_kwargs: dict[str, Any]) -> ReferenceCheck:
         lambda image: unavailable(
             image,
             Path(store) if store else cache_dir(None, Config()),
-            nohttps=None if nohttps is None else bool(nohttps),
+            nohttps=None if nohttps is None else flag(nohttps),
         )
     )
 
