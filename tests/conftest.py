@@ -232,14 +232,16 @@ class MultiNode:
         """This environment with the multi-node cluster as the one Slurm's commands talk to."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def node(self, action: str, node: str) -> None:
+    def node(self, action: str, node: str) -> str:
         """What happens to `node` (.ci/node, as root): `crash` (every process of it killed),
-        `start` (its slurmd again: it comes back), `cut` (its network down), `heal`."""
+        `start` (its slurmd again: it comes back), `cut` (its network down), `heal`; or what
+        the tool says of it (`pids`)."""
         tool = os.environ["HARBOR_HPC_TEST_NODE_TOOL"]
         done = subprocess.run(
             ["sudo", "-n", tool, action, node], capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, f"{action} {node}: {done.stderr}"
+        return done.stdout
 
     def slurm(self, *command: str) -> str:
         """A Slurm command's output, on the multi-node cluster."""
@@ -249,12 +251,8 @@ class MultiNode:
 
     def node_pids_of_user(self, node: str) -> list[int]:
         """This user's processes on `node`."""
-        tool = os.environ["HARBOR_HPC_TEST_NODE_TOOL"]
-        done = subprocess.run(
-            ["sudo", "-n", tool, "pids", node], capture_output=True, text=True, timeout=60
-        )
         mine = []
-        for pid in done.stdout.split():
+        for pid in self.node("pids", node).split():
             with contextlib.suppress(OSError):
                 if os.stat(f"/proc/{pid}").st_uid == os.getuid():
                     mine.append(int(pid))

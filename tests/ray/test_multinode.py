@@ -31,6 +31,13 @@ ADDRESS = {"n1": "10.77.0.11", "n2": "10.77.0.12", "n3": "10.77.0.13"}
 NODES = set(ADDRESS.values())
 
 
+def ray_status(cluster: MultiNode, cluster_dir: Path) -> dict[str, Any]:
+    status: dict[str, Any] = cli_json(
+        "ray", "status", "--cluster-dir", str(cluster_dir), env=cluster.env
+    )
+    return status
+
+
 def ray_dirs(folder: Path) -> set[str]:
     """This user's Ray nodes' private folders in a node's /tmp."""
     return {p.name for p in folder.glob("harbor-hpc-ray-*") if p.lstat().st_uid == os.getuid()}
@@ -59,7 +66,7 @@ def test_ray_nodes_advertise_slurms_addresses_and_host_an_environment_each(
     )  # fmt: skip
     try:
         assert up["address"].split(":")[0] in NODES
-        status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+        status = ray_status(multinode, cluster_dir)
         assert {node["ip"] for node in status["ray_nodes"]} == NODES
         script = DRIVER + ON_EACH_NODE + "\nasyncio.run(main())\n"
         driver = subprocess.Popen(
@@ -79,7 +86,7 @@ def test_ray_nodes_advertise_slurms_addresses_and_host_an_environment_each(
 
         # The driver's own node held nothing, and ends with it (Ray hears of it within seconds).
         def alive() -> set[str]:
-            status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+            status = ray_status(multinode, cluster_dir)
             return {node["ip"] for node in status["ray_nodes"] if node["status"] != "DEAD"}
 
         deadline = time.monotonic() + 30
@@ -127,13 +134,6 @@ def ray_up(cluster: MultiNode, cluster_dir: Path) -> dict[str, Any]:
     )  # fmt: skip
     assert up["address"].startswith(ADDRESS["n1"] + ":")  # the head: Slurm's first node
     return up
-
-
-def ray_status(cluster: MultiNode, cluster_dir: Path) -> dict[str, Any]:
-    status: dict[str, Any] = cli_json(
-        "ray", "status", "--cluster-dir", str(cluster_dir), env=cluster.env
-    )
-    return status
 
 
 def lose_two_nodes_under_a_fleet(
@@ -266,7 +266,7 @@ def test_a_node_too_slow_for_rays_start_up_wait_or_whose_raylet_died_joins_again
         assert up.returncode == 0, err
         assert not stuck.is_running() or stuck.status() == psutil.STATUS_ZOMBIE
         job_id = json.loads(out)["job_id"]
-        status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+        status = ray_status(multinode, cluster_dir)
         assert {node["ip"] for node in status["ray_nodes"]} == set(ADDRESS.values())
         log = (cluster_dir / f"job-{job_id}.log").read_text()
         assert "ray start failed (exit code 1: " in log and "(2 of 3)" in log, log[-3000:]
@@ -276,7 +276,7 @@ def test_a_node_too_slow_for_rays_start_up_wait_or_whose_raylet_died_joins_again
         raylet_at(ADDRESS["n2"]).kill()
         deadline = time.monotonic() + 120
         while True:
-            status = cli_json("ray", "status", "--cluster-dir", str(cluster_dir), env=multinode.env)
+            status = ray_status(multinode, cluster_dir)
             at_n2 = {
                 n["node_id"]: n["status"] for n in status["ray_nodes"] if n["ip"] == ADDRESS["n2"]
             }
