@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from harbor_hpc.apptainer.store import mark_checked, resolve_source, sif_path_for
-from harbor_hpc.slurm.convert import plan_conversions
+from harbor_hpc.steps.convert import plan_conversions
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
 

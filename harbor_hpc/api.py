@@ -17,6 +17,11 @@ CLI's) for what a user can cause.
 - The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input) and
   the environment's own, whose names `status` classifies (`MemoryLimitExceeded`,
   `EnvironmentHostUnavailable`, ...).
+- The steps the CLI runs, each a request and a function: `configured(ConvertRequest, ...)` is
+  a request with harbor-hpc.toml filling in, exactly as the CLI's flags are filled in;
+  `convert_images(request)` is `convert`; `submit_run(tasks, run_dir, configured_options(None,
+  agent=...))` is `submit`, `resubmit_run(run_dir)` is `resubmit`; `BuildRequest` with
+  `harbor_hpc.steps.build.choose/plan/run` is `build`. `SlurmPlacement` is where jobs go.
 - Configuration: `load_config()`, the harbor-hpc.toml the CLI would read here.
 """
 
@@ -30,22 +35,35 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.core.config import Config, load_config
+from harbor_hpc.core.config import Config, configured, load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.export import Export, ExportFormat, rollout_lines
 from harbor_hpc.results.rollout import trial_rollout
 from harbor_hpc.results.status import AttemptStatus, RunStatus
-from harbor_hpc.rollouts import RolloutRequest, run_rollouts
-from harbor_hpc.slurm.runs import export, run_status
+from harbor_hpc.slurm.cluster import SlurmPlacement
+from harbor_hpc.steps.build import BuildRequest
+from harbor_hpc.steps.convert import ConvertReport, ConvertRequest, convert_images
+from harbor_hpc.steps.rollouts import RolloutRequest, run_rollouts
+from harbor_hpc.steps.runs import export, run_status
+from harbor_hpc.steps.submit import (
+    SubmitOptions,
+    SubmitResult,
+    configured_options,
+    resubmit_run,
+    submit_run,
+)
 
 __all__ = [
     "AttemptState",
     "AttemptStatus",
+    "BuildRequest",
     "Config",
     "ContainerDied",
     "ContainerStartFailed",
+    "ConvertReport",
+    "ConvertRequest",
     "EnvironmentHostUnavailable",
     "Export",
     "ExportFormat",
@@ -59,11 +77,19 @@ __all__ = [
     "RunStatus",
     "SetupScriptFailed",
     "SingularityEnvironment",
+    "SlurmPlacement",
+    "SubmitOptions",
+    "SubmitResult",
     "UnsupportedTask",
+    "configured",
+    "configured_options",
+    "convert_images",
     "export",
     "load_config",
+    "resubmit_run",
     "rollout_lines",
     "run_rollouts",
     "run_status",
+    "submit_run",
     "trial_rollout",
 ]

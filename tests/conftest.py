@@ -8,7 +8,7 @@ egress test host), multinode (the three-node Slurm cluster beside the one-node o
 
 Where a part is missing the test skips, so `uv run pytest` passes on a laptop. CI sets
 HARBOR_HPC_REQUIRE_INTEGRATION=1, which turns every such skip into a failure. Whether a part
-works is asked of `harbor_hpc.doctor`, the same probes users see in `harbor-hpc doctor`.
+works is asked of `harbor_hpc.steps.doctor`, the same probes users see in `harbor-hpc doctor`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc import doctor
 from harbor_hpc.apptainer.network import egress_problem
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.fetch.hub import Hub
 from harbor_hpc.ray.cluster import ray_missing
+from harbor_hpc.steps import doctor
 from tests.support.fake_slurm import BIN as FAKE_SLURM_BIN
 from tests.support.fake_slurm import FakeSlurm
 from tests.support.fakehub import FakeHub

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc import doctor
 from harbor_hpc.core.proc import run
-from harbor_hpc.doctor import Part, Role, Status
 from harbor_hpc.slurm import probes as slurm_probes
 from harbor_hpc.slurm.cluster import parse_partitions
+from harbor_hpc.steps import doctor
+from harbor_hpc.steps.doctor import Part, Role, Status
 from tests.support.users import other_user_command
 
 

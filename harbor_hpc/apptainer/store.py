@@ -86,7 +86,7 @@ def resolve_nohttps(nohttps: bool | None) -> bool:
 class ResolvedImage:
     """An image source resolved for the store: `uri` for Apptainer, `name` (its digest) for the
     file in the store. (`convert --source`, where a manifest's images come from, is another idea:
-    `harbor_hpc.slurm.convert.Source`.)"""
+    `harbor_hpc.steps.convert.Source`.)"""
 
     uri: str
     name: str

@@ -21,13 +21,13 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from harbor_hpc.core.config import Config, load_config
+from harbor_hpc.core.config import Config, configured, load_config
 from harbor_hpc.core.errors import InputError
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from harbor_hpc.slurm.convert import SlurmOptions
+    from harbor_hpc.slurm.cluster import SlurmPlacement
     from harbor_hpc.tasks.discovery import TaskProblem
 
 app = typer.Typer(
@@ -66,7 +66,9 @@ def _root(
     """Run Harbor agent tasks on Slurm clusters with Apptainer."""
 
 
-# Options shared by several subcommands: the same name, letter and meaning everywhere.
+# Options shared by several subcommands: the same name, letter and meaning everywhere. Those
+# that place Slurm jobs (partition, account, QOS, sbatch args, with each step's --time) make
+# one `SlurmPlacement` (`placement`).
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print the result as JSON on stdout, for scripts.")
 ]
@@ -100,6 +102,10 @@ AccountOption = Annotated[
     str | None, typer.Option("--account", help="Slurm account. [config: account]")
 ]
 QosOption = Annotated[str | None, typer.Option("--qos", help="Slurm QOS. [config: qos]")]
+SbatchArgOption = Annotated[
+    list[str] | None,
+    typer.Option("--sbatch-arg", help="Extra sbatch option, e.g. constraint=a100; repeatable."),
+]
 NoHttpsOption = Annotated[
     bool,
     typer.Option(
@@ -117,31 +123,26 @@ stdout = Console(soft_wrap=True)
 _verbosity = 0
 
 
-def plain_http(config: Config, nohttps: bool) -> bool | None:
-    """`--nohttps`, else the config's `nohttps`; None leaves it to APPTAINER_NOHTTPS."""
-    return True if nohttps else config.pick("nohttps", None, None)
-
-
-def unit_job_options(
+def placement(
     config: Config,
     partition: str | None,
     account: str | None,
     qos: str | None,
     time_min: int | None,
-    mem_mb: int | None,
-) -> SlurmOptions:
-    """Slurm options for an array job of one element per image or context (`convert --slurm`,
-    `build --slurm`): `--time` and `--mem` are per element, never the config's time_min and
-    mem_mb, which size trials."""
-    from harbor_hpc.slurm.convert import SlurmOptions
+    sbatch_args: list[str] | None,
+) -> SlurmPlacement:
+    """The Slurm placement the shared options gave (`--partition`, `--account`, `--qos`, the
+    step's `--time`, `--sbatch-arg`), harbor-hpc.toml filling in what they leave out."""
+    from harbor_hpc.slurm.cluster import SlurmPlacement
 
-    return SlurmOptions(
-        partition=config.pick("partition", partition, None),
-        account=config.pick("account", account, None),
-        qos=config.pick("qos", qos, None),
-        time_min=time_min or 60,
-        array_parallelism=config.pick("array_parallelism", None, None),
-        mem_mb=mem_mb,
+    return configured(
+        SlurmPlacement,
+        config,
+        partition=partition,
+        account=account,
+        qos=qos,
+        time_min=time_min,
+        sbatch_args=tuple(sbatch_args or ()),
     )
 
 

@@ -21,35 +21,27 @@ from harbor_hpc.cli.app import (
     NoHttpsOption,
     PartitionOption,
     QosOption,
+    SbatchArgOption,
     TasksArgument,
     VerboseOption,
     app,
-    build_args,
     console,
     info,
-    manifest_path,
-    plain_http,
+    placement,
     progress,
     render,
     setup,
     show_problems,
     stdout,
-    unit_job_options,
     warn,
 )
-from harbor_hpc.core.config import cache_dir as default_store
-from harbor_hpc.core.errors import HarborHpcError, InputError
-from harbor_hpc.images.engine import BuilderKind, choose_builder
+from harbor_hpc.core.config import configured
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.images.engine import BuilderKind
 
 if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
-    from harbor_hpc.images.build import (
-        Builder,
-        BuildPreview,
-        BuildResult,
-        ImageOutcome,
-        PlannedImage,
-    )
-    from harbor_hpc.slurm.convert import ConversionArray
+    from harbor_hpc.images.build import BuildPreview, BuildResult, ImageOutcome, PlannedImage
+    from harbor_hpc.slurm.cluster import UnitArray
 
 
 @app.command(
@@ -129,6 +121,7 @@ def build(
     partition: PartitionOption = None,
     account: AccountOption = None,
     qos: QosOption = None,
+    sbatch_arg: SbatchArgOption = None,
     time_min: Annotated[
         int | None,
         typer.Option("--time", min=1, help="Minutes per context (Slurm time limit). [default: 60]"),
@@ -142,80 +135,47 @@ def build(
     verbose: VerboseOption = 0,
 ) -> None:
     """Build one image per distinct build context and pin every task to it."""
+    from harbor_hpc.steps import build as step
+
     config = setup(verbose)
-    if slurm and builder is BuilderKind.DOCKER:
-        raise InputError(
-            "--slurm builds with Apptainer on compute nodes, which have no Docker",
-            hint="build with --builder apptainer --slurm, or with Docker here without --slurm",
-        )
-    chosen, why = (
-        (BuilderKind.APPTAINER, "--slurm: compute nodes build with Apptainer")
-        if slurm
-        else choose_builder(builder)
+    request = configured(
+        step.BuildRequest,
+        config,
+        tasks_dir=tasks_dir,
+        manifest=manifest,
+        builder=builder,
+        registry=registry,
+        push=not no_push,
+        cache_dir=cache_dir,
+        scratch_dir=scratch_dir,
+        nohttps=nohttps or None,
+        jobs=jobs,
+        build_args=build_arg,
+        slurm=placement(config, partition, account, qos, time_min, sbatch_arg) if slurm else None,
+        mem_mb=mem_mb,
     )
+    chosen, why = step.choose(request)
     docker_only = registry or no_push
     if builder is BuilderKind.AUTO:
         unused = "; --registry and --no-push are not used" if docker_only and not slurm else ""
         info(f"builder: {chosen} ({why}){unused if chosen is BuilderKind.APPTAINER else ''}")
-    target = None
-    if chosen is BuilderKind.DOCKER:
-        target = config.pick("registry", registry, "")
-        if not target:
-            raise InputError(
-                "no registry given",
-                hint="pass --registry REGISTRY/NAMESPACE, or build into the .sif store without "
-                "Docker: --builder apptainer",
-            )
-    elif docker_only and builder is not BuilderKind.AUTO:
+    elif chosen is BuilderKind.APPTAINER and docker_only:
         warn("--registry and --no-push are for Docker builds; the Apptainer builder ignores them")
-    from harbor_hpc.apptainer.builder import ApptainerBuilder
-    from harbor_hpc.images.build import BuildPreview, plan_build, run_build
-    from harbor_hpc.images.docker_builder import DockerBuilder
-    from harbor_hpc.slurm.build import SlurmBuilder, build_on_slurm
-    from harbor_hpc.tasks.manifest import load_manifest
-
-    manifest_file = manifest_path(manifest)
-    workers = config.pick("jobs", jobs, 2)
-    plan = plan_build(tasks_dir, target, jobs=workers, build_args=build_args(config, build_arg))
+    planned = step.plan(request, chosen)
+    plan = planned.plan
     _warn_compose(plan.compose)  # on stderr: --json output stays clean
     if dry_run:
-        recorded = load_manifest(manifest_file) if manifest_file.exists() else None
-        render(BuildPreview(plan, recorded), json=json_output, show=_show_plan)
+        render(planned.preview(), json=json_output, show=_show_plan)
         if plan.problems:  # as the real build would
             raise HarborHpcError(
                 f"{len(plan.problems)} folder(s) are not valid tasks",
                 hint="fix the named files and run again",
             )
         return
-    use_http = plain_http(config, nohttps)
-    backend: Builder
-    if chosen is BuilderKind.DOCKER:
-        backend = DockerBuilder(plan, push=not no_push, nohttps=bool(use_http))
-    else:
-        scratch = scratch_dir or config.pick("scratch_dir", None, None)
-        store, scratch_path = default_store(cache_dir, config), Path(scratch) if scratch else None
-        if slurm:
 
-            def submitted(array: ConversionArray) -> None:
-                info(
-                    f"Slurm array job {array.job}: {array.images} context(s), logs in "
-                    f"{array.log_dir}"
-                )
+    def submitted(array: UnitArray) -> None:
+        info(f"Slurm array job {array.job}: {array.images} context(s), logs in {array.log_dir}")
 
-            options = unit_job_options(config, partition, account, qos, time_min, mem_mb)
-            backend = SlurmBuilder(
-                store,
-                manifest_file,
-                options,
-                build_args=plan.build_args,
-                nohttps=use_http,
-                scratch=scratch_path,
-                on_submitted=submitted,
-            )
-        else:
-            backend = ApptainerBuilder(
-                store, build_args=plan.build_args, nohttps=use_http, scratch=scratch_path
-            )
     with progress() as bar:
         overall = bar.add_task("images", total=len(plan.images), current="")
 
@@ -229,19 +189,7 @@ def build(
                 result = "failed" if outcome.failed else outcome.action
                 info(f"{ended}/{len(plan.images)} {outcome.image.name}: {result}")
 
-        if isinstance(backend, SlurmBuilder):
-            result = build_on_slurm(
-                plan, manifest_file, backend, on_progress=on_progress, on_done=on_done
-            )
-        else:
-            result = run_build(
-                plan,
-                manifest_file,
-                backend,
-                jobs=workers,
-                on_progress=on_progress,
-                on_done=on_done,
-            )
+        result = step.run(planned, on_progress=on_progress, on_done=on_done, on_submitted=submitted)
     render(result, json=json_output, show=_show_build)
     if result.failed_tasks or result.problems:
         names = ", ".join(result.failed_tasks[:LISTED])
@@ -256,8 +204,8 @@ def build(
                 for part, count in ((failed, result.failed_tasks), (invalid, result.problems))
                 if count
             ),
-            hint=f"the errors are in {manifest_file}; fix them and run again (finished images are "
-            "kept)",
+            hint=f"the errors are in {request.manifest}; fix them and run again (finished "
+            "images are kept)",
         )
 
 

@@ -17,23 +17,23 @@ from harbor_hpc.cli.app import (
     NoHttpsOption,
     PartitionOption,
     QosOption,
+    SbatchArgOption,
     VerboseOption,
     app,
     console,
     info,
-    manifest_path,
-    plain_http,
+    placement,
     progress,
     render,
     setup,
     stdout,
-    unit_job_options,
 )
-from harbor_hpc.core.config import cache_dir as default_store
+from harbor_hpc.core.config import configured
 from harbor_hpc.core.errors import ReportedFailure
 
 if TYPE_CHECKING:  # the conversion machinery loads when a conversion runs
-    from harbor_hpc.slurm.convert import ConversionArray, ConvertReport
+    from harbor_hpc.slurm.cluster import UnitArray
+    from harbor_hpc.steps.convert import ConvertReport
 
 
 @app.command(short_help="Turn every image of a manifest into a .sif in the store.")
@@ -72,6 +72,7 @@ def convert(
     partition: PartitionOption = None,
     account: AccountOption = None,
     qos: QosOption = None,
+    sbatch_arg: SbatchArgOption = None,
     time_min: Annotated[
         int | None,
         typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). [default: 60]"),
@@ -100,27 +101,28 @@ def convert(
 
     Example: harbor-hpc convert --manifest manifest.json --cache-dir sif --slurm
     """
-    from harbor_hpc.slurm.convert import ConvertRequest, convert_images, parse_source
+    from harbor_hpc.steps.convert import ConvertRequest, convert_images, parse_source
 
     config = setup(verbose)
-    request = ConvertRequest(
-        manifest=manifest_path(manifest),
-        store=default_store(cache_dir, config),
+    request = configured(
+        ConvertRequest,
+        config,
+        manifest=manifest,
+        cache_dir=cache_dir,
         source=parse_source(source),
-        nohttps=plain_http(config, nohttps),
+        nohttps=nohttps or None,
         force=force,
         verify=verify,
-        jobs=config.pick("jobs", jobs, 2),
-        slurm=unit_job_options(config, partition, account, qos, time_min, mem_mb)
-        if slurm
-        else None,
+        jobs=jobs,
+        slurm=placement(config, partition, account, qos, time_min, sbatch_arg) if slurm else None,
+        mem_mb=mem_mb,
         dry_run=dry_run,
     )
     with progress() as bar:
         # Shown once there is work: a dry run converts nothing.
         task = bar.add_task("converting", total=None, current="", visible=False)
 
-        def submitted(array: ConversionArray) -> None:
+        def submitted(array: UnitArray) -> None:
             info(f"Slurm array job {array.job}: {array.images} image(s), logs in {array.log_dir}")
 
         report = convert_images(
@@ -135,7 +137,7 @@ def convert(
 
 
 def _show(report: ConvertReport) -> None:
-    from harbor_hpc.slurm.convert import ConversionState
+    from harbor_hpc.steps.convert import ConversionState
 
     for conversion in report.images:
         if conversion.state is ConversionState.FAILED:

@@ -20,7 +20,7 @@ from harbor_hpc.cli.app import (
     stdout,
 )
 from harbor_hpc.core.errors import HarborHpcError, ReportedFailure
-from harbor_hpc.doctor import PART_TITLES, REQUIRED_PARTS, Report, Role, Status, run_doctor
+from harbor_hpc.steps.doctor import PART_TITLES, REQUIRED_PARTS, Report, Role, Status, run_doctor
 
 _STYLES = {Status.OK: "green", Status.WARN: "yellow", Status.MISSING: "red bold"}
 

@@ -14,9 +14,11 @@ from harbor_hpc.cli.app import (
     JsonOption,
     PartitionOption,
     QosOption,
+    SbatchArgOption,
     VerboseOption,
     app,
     info,
+    placement,
     render,
     setup,
     stdout,
@@ -95,6 +97,7 @@ def up(
     ] = None,
     account: AccountOption = None,
     qos: QosOption = None,
+    sbatch_arg: SbatchArgOption = None,
     wait_timeout: Annotated[
         float | None,
         typer.Option(
@@ -126,11 +129,8 @@ def up(
     config = setup(verbose)
     options = cluster.UpOptions(
         nodes=nodes,
-        partition=config.pick("partition", partition, None),
-        time_min=time_min,
+        placement=placement(config, partition, account, qos, time_min, sbatch_arg),
         cpus_per_node=cpus_per_node,
-        account=config.pick("account", account, None),
-        qos=config.pick("qos", qos, None),
         ray_nodes_per_node=ray_nodes_per_node,
         labels=labels,
         join=join,

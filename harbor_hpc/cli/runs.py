@@ -24,6 +24,7 @@ from harbor_hpc.cli.app import (
     JsonOption,
     PartitionOption,
     QosOption,
+    SbatchArgOption,
     VerboseOption,
     app,
     console,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
     from harbor_hpc.results.export import Export
     from harbor_hpc.results.status import RunStatus, Summary
     from harbor_hpc.slurm.resources import Resources
-    from harbor_hpc.slurm.submit import SubmitResult
+    from harbor_hpc.steps.submit import SubmitResult
 
 RunDirArgument = Annotated[
     Path,
@@ -165,10 +166,7 @@ def submit(
         int | None,
         typer.Option("--cpus", min=1, help="CPUs per element. [default: from the tasks' cpus]"),
     ] = None,
-    sbatch_arg: Annotated[
-        list[str] | None,
-        typer.Option("--sbatch-arg", help="Extra sbatch option, e.g. constraint=a100; repeatable."),
-    ] = None,
+    sbatch_arg: SbatchArgOption = None,
     group_readable: Annotated[
         bool,
         typer.Option(
@@ -192,12 +190,12 @@ def submit(
     Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --wait \\
                  --run-dir runs/oracle
     """
-    from harbor_hpc.slurm.submit import configured_options, parse_key_values, submit_run
+    from harbor_hpc.steps.submit import configured_options, parse_key_values, submit_run
 
     config = setup(verbose)
     options = configured_options(
         config,
-        agent,
+        agent=agent,
         model=model,
         agent_kwargs=parse_key_values(agent_kwarg or [], "--agent-kwarg"),
         agent_env=agent_env or [],
@@ -216,7 +214,7 @@ def submit(
         time_min=time_min,
         mem_mb=mem_mb,
         cpus=cpus,
-        sbatch_args=sbatch_arg or [],
+        sbatch_args=sbatch_arg,
         group_readable=group_readable,
     )
     default_root = Path(config.pick("run_dir", None, "runs"))
@@ -239,7 +237,7 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
 
     Example: harbor-hpc status runs/oracle -v
     """
-    from harbor_hpc.slurm.runs import run_status
+    from harbor_hpc.steps.runs import run_status
 
     setup(verbose)
     found = run_status(run_dir)
@@ -265,7 +263,7 @@ def resubmit(
 
     Example: harbor-hpc resubmit runs/oracle --failed --wait
     """
-    from harbor_hpc.slurm.submit import resubmit_run
+    from harbor_hpc.steps.submit import resubmit_run
 
     setup(verbose)
     result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
@@ -304,7 +302,7 @@ def export(
     Example: harbor-hpc export runs/grpo --out rollouts.jsonl --format nemo-gym
     """
     setup(verbose)
-    from harbor_hpc.slurm import runs
+    from harbor_hpc.steps import runs
 
     render(runs.export(run_dir, out, fmt=fmt, dry_run=dry_run), json=json, show=_show_export)
 
@@ -418,7 +416,7 @@ def _follow(run_dir: Path) -> None:
     """Show the run's counts live until nothing is pending or running; then, when attempts
     failed, which ones by failure class, and exit 1 (every attempt done, whatever its
     reward: 0)."""
-    from harbor_hpc.slurm.runs import follow
+    from harbor_hpc.steps.runs import follow
 
     if console.is_terminal:
         with Live(console=console, refresh_per_second=2, transient=True) as live:

@@ -4,15 +4,18 @@ Looked up in this order, first found wins: `$HARBOR_HPC_CONFIG`, `./harbor-hpc.t
 `$XDG_CONFIG_HOME/harbor-hpc/config.toml` (`~/.config/...`). The file is a flat table whose keys
 are option names with underscores (`cache_dir = "/scratch/sif"`). A flag given on the command line
 always wins over the file.
+
+`configured` is the one place the file meets what a caller gave: the CLI's flags and the Python
+API's arguments go through it alike, into a step's request.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from harbor_hpc.core.errors import InputError
 
@@ -39,6 +42,8 @@ KNOWN_KEYS: dict[str, type] = {
     # `build_args = ["NAME=VALUE"]`: `--build-arg` values every build gets (flags win per NAME).
     "build_args": list,
 }
+# The keys whose values are paths (`~` expanded).
+PATH_KEYS = frozenset({"manifest", "cache_dir", "wheels_dir", "run_dir", "scratch_dir"})
 
 T = TypeVar("T")
 
@@ -95,6 +100,51 @@ def _parse(path: Path) -> dict[str, Any]:
     return data
 
 
+class Request(Protocol):
+    """A step's request: a dataclass naming the fields harbor-hpc.toml may set."""
+
+    CONFIGURED: ClassVar[tuple[str, ...]]
+
+
+def configured[R: Request](
+    cls: type[R], config: Config | None = None, /, *, keys: tuple[str, ...] = (), **given: Any
+) -> R:
+    """`cls(**given)` (a step's request dataclass) with harbor-hpc.toml filling in: each field
+    named in `cls.CONFIGURED` (or `keys`) that was not given, or given as None, takes the file's
+    value (`cache_dir`: $HARBOR_HPC_CACHE first); a list value (`build_args`) comes before the
+    given one, which wins per name. What neither gives keeps the field's default; a required
+    field that neither gives is an `InputError` naming its option.
+
+    One merge for the CLI (its flags are `given`, None when not typed) and the Python API (its
+    arguments), so that both read the file the same way. `config` defaults to `load_config()`.
+    """
+    config = load_config() if config is None else config
+    values = {key: value for key, value in given.items() if value is not None}
+    for key in keys or cls.CONFIGURED:
+        if key == "cache_dir":
+            chosen = values.get(key) or chosen_cache_dir(None, config)
+            if chosen is not None:
+                values[key] = chosen
+            continue
+        if key not in config.values:
+            continue
+        value = config.values[key]
+        if isinstance(value, list):
+            values[key] = [*value, *values.get(key, [])]
+        elif key not in values:
+            values[key] = Path(value).expanduser() if key in PATH_KEYS else value
+    assert is_dataclass(cls)
+    for spec in fields(cls):
+        unset = spec.default is MISSING and spec.default_factory is MISSING
+        if unset and spec.init and spec.name not in values:
+            option = spec.name.replace("_", "-")
+            raise InputError(
+                f"no {option} given",
+                hint=f"pass --{option}, or set {spec.name} in harbor-hpc.toml",
+            )
+    return cls(**values)
+
+
 def chosen_cache_dir(flag: Path | None = None, config: Config | None = None) -> Path | None:
     """The .sif store the user chose: `--cache-dir`, else `$HARBOR_HPC_CACHE`, else the config
     file's `cache_dir` (read here when `config` is not given), else None."""
@@ -106,6 +156,11 @@ def chosen_cache_dir(flag: Path | None = None, config: Config | None = None) -> 
     return Path(chosen).expanduser() if chosen else None
 
 
+def default_cache_dir() -> Path:
+    """The .sif store when the user chose none."""
+    return Path.home() / ".cache" / "harbor-hpc" / "sif"
+
+
 def cache_dir(flag: Path | None = None, config: Config | None = None) -> Path:
     """Where .sif files live: the store the user chose, else `~/.cache/harbor-hpc/sif`."""
-    return chosen_cache_dir(flag, config) or Path.home() / ".cache" / "harbor-hpc" / "sif"
+    return chosen_cache_dir(flag, config) or default_cache_dir()

@@ -31,12 +31,15 @@ from typing import Any
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_json, atomic_write_text, read_json
 from harbor_hpc.ray.node import address_file, failures, use_token
+from harbor_hpc.slurm.cluster import SlurmPlacement
 
 INSTALL_HINT = (
     "install the extra: pip install 'harbor-hpc[ray]' (in a checkout: uv sync --extra ray)"
 )
 # How long `up` waits for the job to start and every node to join, and how often it looks.
 UP_TIMEOUT_S = 600.0
+# How long a cluster lives when the placement names no time.
+UP_TIME_MIN = 60
 POLL_S = 1.0
 
 
@@ -81,11 +84,9 @@ def alive_node_ips(address: str) -> set[str]:
 @dataclass(frozen=True)
 class UpOptions:
     nodes: int
-    partition: str | None
-    time_min: int
-    cpus_per_node: int | None
-    account: str | None = None
-    qos: str | None = None
+    # Where the job goes and how long the cluster lives (`UP_TIME_MIN` unless it says).
+    placement: SlurmPlacement
+    cpus_per_node: int | None = None
     # Ray nodes on each Slurm node: several make a multi-node Ray cluster of one machine (each
     # with its own node id and temporary folder), for tests or a fleet of small nodes.
     ray_nodes_per_node: int = 1
@@ -175,15 +176,13 @@ def job_script(cluster_dir: Path, options: UpOptions) -> str:
         "job-name": "harbor-hpc-ray",
         "nodes": str(options.nodes),
         "ntasks-per-node": str(options.ray_nodes_per_node),
-        "time": str(options.time_min),
+        "time": str(options.placement.time_min or UP_TIME_MIN),
         "output": str(cluster_dir / "job-%j.log"),
         "cpus-per-task": options.cpus_per_node and str(options.cpus_per_node),
-        "partition": options.partition,
-        "account": options.account,
-        "qos": options.qos,
     }
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH --{key}={value}" for key, value in sbatch.items() if value]
+    lines += options.placement.script_lines()
     # A node lost (crashed, cut off) takes only its own Ray node: the job keeps the others
     # (--no-kill), and is never run again from the start (a new head, at a new address).
     lines += ["#SBATCH --no-kill", "#SBATCH --no-requeue"]

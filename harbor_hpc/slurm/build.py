@@ -20,8 +20,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-
-import submitit
+from typing import TYPE_CHECKING
 
 from harbor_hpc.apptainer.builder import ApptainerBuilder, sif_name
 from harbor_hpc.apptainer.store import is_ready
@@ -38,9 +37,11 @@ from harbor_hpc.images.build import (
     run_build,
 )
 from harbor_hpc.slurm import cluster
-from harbor_hpc.slurm.cluster import Executor
-from harbor_hpc.slurm.convert import ConversionArray, SlurmOptions, slurm_log_dir
+from harbor_hpc.slurm.cluster import Executor, SlurmPlacement, UnitArray, unit_log_dir
 from harbor_hpc.tasks.manifest import ImageRecord
+
+if TYPE_CHECKING:  # submitit loads when the array is queued
+    import submitit
 
 # A build converts its base images, runs the RUN steps and packs the .sif (mksquashfs, which uses
 # every core it gets); RUN steps that install or compile want more memory than a conversion.
@@ -58,16 +59,24 @@ class SlurmBuilder(ApptainerBuilder):
         self,
         store: Path,
         manifest: Path,
-        options: SlurmOptions,
+        placement: SlurmPlacement,
         *,
         build_args: dict[str, str],
         nohttps: bool | None = None,
         scratch: Path | None = None,
-        on_submitted: Callable[[ConversionArray], None] | None = None,
+        mem_mb: int = SLURM_MEM_MB,
+        array_parallelism: int | None = None,
+        on_submitted: Callable[[UnitArray], None] | None = None,
     ) -> None:
         super().__init__(store, build_args=build_args, nohttps=nohttps, scratch=scratch)
         self.manifest = manifest
-        self.options = options
+        self.request = cluster.unit_request(
+            "harbor-hpc-build",
+            placement,
+            cpus=SLURM_CPUS,
+            mem_mb=mem_mb,
+            array_parallelism=array_parallelism,
+        )
         # The folder asked for, if any: unset, each node takes its own scratch space.
         self.node_scratch = str(scratch) if scratch else None
         self.on_submitted = on_submitted
@@ -88,9 +97,8 @@ class SlurmBuilder(ApptainerBuilder):
 
     def _submit(self, todo: list[PlannedImage]) -> None:
         """Queue one element per image of `todo`, and a thread that hands each its result."""
-        log_dir = slurm_log_dir(self.store)
-        request = self.options.request("harbor-hpc-build", cpus=SLURM_CPUS, mem_mb=SLURM_MEM_MB)
-        pool = cluster.executor(log_dir / "%j", Executor.SLURM, request)
+        log_dir = unit_log_dir(self.store)
+        pool = cluster.executor(log_dir / "%j", Executor.SLURM, self.request)
         count = len(todo)
         # Registry credentials reach the nodes in the environment sbatch exports, never in the
         # job's script or its pickled arguments.
@@ -107,7 +115,7 @@ class SlurmBuilder(ApptainerBuilder):
             hint="check --partition, --account and --qos (`sinfo` lists the partitions)",
         )
         if self.on_submitted is not None:
-            self.on_submitted(ConversionArray(jobs[0].job_id.split("_")[0], count, log_dir))
+            self.on_submitted(UnitArray(jobs[0].job_id.split("_")[0], count, log_dir))
         results = {job.job_id: Future[cluster.Outcome]() for job in jobs}
         self._results = {
             image.context: results[job.job_id] for image, job in zip(todo, jobs, strict=True)

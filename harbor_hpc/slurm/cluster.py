@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.proc import QUICK_TIMEOUT_S, Ran, run
@@ -322,8 +322,54 @@ def partitions(*, timeout: float = QUERY_TIMEOUT_S) -> Partitions:
 
 
 @dataclass(frozen=True)
+class SlurmPlacement:
+    """Where a step's jobs go and for how long, as every step takes it (`--partition`,
+    `--account`, `--qos`, `--time`, `--sbatch-arg`): None leaves it to Slurm (the time to the
+    step, which knows what it runs)."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_min: int | None = None
+    # Further sbatch options as typed: `constraint=a100`, `--exclusive`.
+    sbatch_args: tuple[str, ...] = ()
+    # What harbor-hpc.toml may set (`core.config.configured`); its time_min sizes trials only.
+    CONFIGURED: ClassVar[tuple[str, ...]] = ("partition", "account", "qos")
+
+    def sbatch(self) -> dict[str, Any]:
+        """`sbatch_args` as submitit takes them (`constraint="a100"`, `exclusive=True`)."""
+        extra: dict[str, Any] = {}
+        for arg in self.sbatch_args:
+            key, sep, value = arg.lstrip("-").partition("=")
+            if not key:
+                raise InputError(
+                    f"--sbatch-arg {arg!r} is empty", hint="e.g. --sbatch-arg constraint=a100"
+                )
+            extra[key.replace("-", "_")] = value if sep else True
+        return extra
+
+    def script_lines(self) -> list[str]:
+        """The `#SBATCH` lines of a batch script of ours (time aside) for this placement."""
+        named = {"partition": self.partition, "account": self.account, "qos": self.qos}
+        lines = [f"#SBATCH --{key}={value}" for key, value in named.items() if value]
+        for key, value in self.sbatch().items():
+            option = key.replace("_", "-")
+            lines.append(f"#SBATCH --{option}" if value is True else f"#SBATCH --{option}={value}")
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "partition": self.partition,
+            "account": self.account,
+            "qos": self.qos,
+            "time_min": self.time_min,
+            "sbatch_args": list(self.sbatch_args),
+        }
+
+
+@dataclass(frozen=True)
 class JobRequest:
-    """What each element of an array asks for; None leaves the cluster's default."""
+    """What each element of an array asks for, where `placement` says."""
 
     name: str
     time_min: int
@@ -332,12 +378,47 @@ class JobRequest:
     gpus: int = 0
     # The GPU type as Slurm names it (a GRES type), or None for any.
     gpu_type: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    placement: SlurmPlacement = field(default_factory=SlurmPlacement)
     array_parallelism: int | None = None
-    # Further sbatch options, as submitit takes them (`constraint="a100"`, `exclusive=True`).
-    sbatch: dict[str, Any] = field(default_factory=dict)
+
+
+# An array of one element per image or build context (`convert --slurm`, `build --slurm`):
+# each element's time unless the placement names one.
+UNIT_TIME_MIN = 60
+
+
+@dataclass(frozen=True)
+class UnitArray:
+    """The Slurm array job converting (or building) images, once queued: one element per
+    image; its logs in the store (`unit_log_dir`), which every node reaches."""
+
+    job: str
+    images: int
+    log_dir: Path
+
+
+def unit_request(
+    name: str,
+    placement: SlurmPlacement,
+    *,
+    cpus: int,
+    mem_mb: int,
+    array_parallelism: int | None = None,
+) -> JobRequest:
+    """What each element of a unit array `name` asks for, where `placement` says."""
+    return JobRequest(
+        name,
+        time_min=placement.time_min or UNIT_TIME_MIN,
+        mem_mb=mem_mb,
+        cpus=cpus,
+        placement=placement,
+        array_parallelism=array_parallelism,
+    )
+
+
+def unit_log_dir(store: Path) -> Path:
+    """Where the conversion and build jobs write their logs: in the store."""
+    return store.expanduser().absolute() / ".slurm"
 
 
 @cache
@@ -375,12 +456,12 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
         "mem": f"{request.mem_mb}M",
         "cpus_per_task": request.cpus,
         "signal_delay_s": requeue_warning_s(request.time_min),
-        "additional_parameters": dict(request.sbatch),
+        "additional_parameters": request.placement.sbatch(),
     }
     optional = {
-        "partition": request.partition,
-        "account": request.account,
-        "qos": request.qos,
+        "partition": request.placement.partition,
+        "account": request.placement.account,
+        "qos": request.placement.qos,
         "array_parallelism": request.array_parallelism,
     }
     parameters.update({key: value for key, value in optional.items() if value})

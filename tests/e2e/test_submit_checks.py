@@ -16,7 +16,7 @@ from harbor.environments.base import BaseEnvironment
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
-from harbor_hpc.slurm.submit import image_problem, reference_check
+from harbor_hpc.steps.submit.checks import image_problem, reference_check
 from harbor_hpc.tasks.discovery import Task, load_task
 from tests.support.images import TinyImage
 from tests.support.sample_tasks import make_task

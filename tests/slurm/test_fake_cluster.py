@@ -18,9 +18,10 @@ from harbor_hpc.results.record import (
     update_run,
     write_marker,
 )
-from harbor_hpc.slurm.cluster import SlurmError
-from harbor_hpc.slurm.runs import live_jobs, run_status
-from harbor_hpc.slurm.submit import SubmitOptions, resubmit_run, submit_run
+from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
+from harbor_hpc.slurm.runs import live_jobs
+from harbor_hpc.steps.runs import run_status
+from harbor_hpc.steps.submit import SubmitOptions, resubmit_run, submit_run
 from tests.results.test_status import marker, record_with
 from tests.support.fake_slurm import SBATCH_BAD_PARTITION, SBATCH_UNREACHABLE, FakeSlurm
 from tests.support.sample_tasks import make_task
@@ -39,7 +40,10 @@ def tasks(tmp_path: Path) -> Path:
 
 def options(concurrency: int = 1) -> SubmitOptions:
     return SubmitOptions(
-        agent="oracle", executor="slurm", partition="debug", concurrency=concurrency
+        agent="oracle",
+        executor="slurm",
+        placement=SlurmPlacement(partition="debug"),
+        concurrency=concurrency,
     )
 
 
@@ -143,7 +147,7 @@ def test_the_requeue_warning_leaves_a_short_element_time_to_work(
     # before running anything, forever.
     fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
     chosen = options()
-    chosen.time_min = time_min
+    chosen.placement = SlurmPlacement(partition="debug", time_min=time_min)
     submitted = submit_run(tasks, tmp_path / "run", chosen)
     [[script]] = fake_slurm.calls("sbatch")
     sbatch = Path(script).read_text()

@@ -9,20 +9,18 @@ import pytest
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.results.record import Unit
-from harbor_hpc.slurm.cluster import NodeLimits
+from harbor_hpc.slurm.cluster import NodeLimits, SlurmPlacement
 from harbor_hpc.slurm.resources import Resources, chunked, element_resources, fit_to_node
-from harbor_hpc.slurm.submit import (
-    ROLLOUT_KWARG,
-    SubmitOptions,
+from harbor_hpc.steps.submit import SubmitOptions, submit_run
+from harbor_hpc.steps.submit.checks import (
     agent_class,
     default_agent_kwargs,
     image_problem,
-    parse_sbatch_args,
-    plan_chunks,
     reference_check,
-    submit_run,
     takes_kwarg,
 )
+from harbor_hpc.steps.submit.options import ROLLOUT_KWARG
+from harbor_hpc.steps.submit.plan import plan_chunks
 from harbor_hpc.tasks.discovery import discover_tasks
 from tests.support.probe_agent import AGENT, ProbeAgent
 from tests.support.sample_tasks import make_task
@@ -82,7 +80,8 @@ def test_image_problems_name_the_task_file(tmp_path: Path) -> None:
 
 
 def test_sbatch_args() -> None:
-    assert parse_sbatch_args(["--constraint=a100", "exclusive", "mail-type=END"]) == {
+    placement = SlurmPlacement(sbatch_args=("--constraint=a100", "exclusive", "mail-type=END"))
+    assert placement.sbatch() == {
         "constraint": "a100",
         "exclusive": True,
         "mail_type": "END",

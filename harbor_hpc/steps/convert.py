@@ -25,12 +25,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from harbor_hpc.apptainer.store import ensure_sif, is_ready, resolve_nohttps, sif_path_for, verify
+from harbor_hpc.core.config import default_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.slurm import cluster
-from harbor_hpc.slurm.cluster import Executor, JobRequest
+from harbor_hpc.slurm.cluster import Executor, JobRequest, SlurmPlacement, UnitArray, unit_log_dir
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
     Manifest,
@@ -106,48 +107,6 @@ class ImageConversion:
         }
 
 
-@dataclass(frozen=True)
-class SlurmOptions:
-    """Where and how the conversion array job runs; None fields leave Slurm's defaults."""
-
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time_min: int = 60
-    array_parallelism: int | None = None
-    # Memory of each element, when not the step's own default.
-    mem_mb: int | None = None
-
-    def request(self, name: str, *, cpus: int, mem_mb: int) -> JobRequest:
-        """What each element of an array job `name` asks for: `cpus` and `mem_mb` (unless these
-        options name the memory), where these options say."""
-        return JobRequest(
-            name=name,
-            time_min=self.time_min,
-            mem_mb=self.mem_mb or mem_mb,
-            cpus=cpus,
-            partition=self.partition,
-            account=self.account,
-            qos=self.qos,
-            array_parallelism=self.array_parallelism,
-        )
-
-
-@dataclass(frozen=True)
-class ConversionArray:
-    """The Slurm array job converting (or building) the images, once queued: one element per
-    image."""
-
-    job: str
-    images: int
-    log_dir: Path
-
-
-def slurm_log_dir(store: Path) -> Path:
-    """Where the conversion jobs write their logs: in the store, which every node reaches."""
-    return store.expanduser().absolute() / ".slurm"
-
-
 def parse_source(text: str) -> Source:
     try:
         return Source(text)
@@ -159,17 +118,33 @@ def parse_source(text: str) -> Source:
 @dataclass(frozen=True)
 class ConvertRequest:
     """One `convert`: the manifest's images into the store, here (`jobs` at a time) or, with
-    `slurm`, on compute nodes."""
+    `slurm`, on compute nodes where it says, one array element per image (`mem_mb` each)."""
 
     manifest: Path
-    store: Path
+    # The .sif store; None: the default one (`core.config.default_cache_dir`).
+    cache_dir: Path | None = None
     source: Source = Source.REGISTRY
+    # Plain HTTP to the registry; None leaves it to APPTAINER_NOHTTPS.
     nohttps: bool | None = None
     force: bool = False
     verify: bool = False
     jobs: int = 2
-    slurm: SlurmOptions | None = None
+    slurm: SlurmPlacement | None = None
+    mem_mb: int = SLURM_MEM_MB
+    array_parallelism: int | None = None
     dry_run: bool = False
+    # What harbor-hpc.toml may set (`core.config.configured`).
+    CONFIGURED: ClassVar[tuple[str, ...]] = (
+        "manifest",
+        "cache_dir",
+        "nohttps",
+        "jobs",
+        "array_parallelism",
+    )
+
+    @property
+    def store(self) -> Path:
+        return self.cache_dir or default_cache_dir()
 
 
 @dataclass
@@ -205,7 +180,7 @@ def convert_images(
     *,
     on_planned: Callable[[int], None] | None = None,
     on_done: Callable[[ImageConversion], None] | None = None,
-    on_submitted: Callable[[ConversionArray], None] | None = None,
+    on_submitted: Callable[[UnitArray], None] | None = None,
 ) -> ConvertReport:
     """Plan the manifest's images and, unless a dry run, convert the ones not yet in the store.
 
@@ -236,7 +211,15 @@ def convert_images(
             jobs=request.jobs,
             nohttps=request.nohttps,
             force=request.force,
-            slurm=request.slurm,
+            slurm=None
+            if request.slurm is None
+            else cluster.unit_request(
+                "harbor-hpc-convert",
+                request.slurm,
+                cpus=SLURM_CPUS,
+                mem_mb=request.mem_mb,
+                array_parallelism=request.array_parallelism,
+            ),
             on_done=on_done,
             on_submitted=on_submitted,
         )
@@ -343,11 +326,12 @@ def run_conversions(
     jobs: int = 2,
     nohttps: bool | None = None,
     force: bool = False,
-    slurm: SlurmOptions | None = None,
+    slurm: JobRequest | None = None,
     on_done: Callable[[ImageConversion], None] | None = None,
-    on_submitted: Callable[[ConversionArray], None] | None = None,
+    on_submitted: Callable[[UnitArray], None] | None = None,
 ) -> list[ImageConversion]:
-    """Convert the planned images not yet cached and record every good .sif in the manifest.
+    """Convert the planned images not yet cached and record every good .sif in the manifest:
+    here, `jobs` at a time, or on Slurm as one array job whose elements each ask for `slurm`.
 
     `on_done` is called once per converted or failed image, as it finishes (for progress);
     `on_submitted` once the Slurm array job is queued.
@@ -456,17 +440,16 @@ def _apply(conversion: ImageConversion, outcome: dict[str, Any]) -> None:
 def _convert_on_slurm(
     todo: list[ImageConversion],
     cache_dir: Path,
-    options: SlurmOptions,
+    request: JobRequest,
     *,
     nohttps: bool,
     force: bool,
-    on_submitted: Callable[[ConversionArray], None] | None,
+    on_submitted: Callable[[UnitArray], None] | None,
 ) -> Iterable[ImageConversion]:
     cluster.require_sbatch(
         "--slurm", hint="run convert on a login node of the cluster, or without --slurm"
     )
-    log_dir = slurm_log_dir(cache_dir)
-    request = options.request("harbor-hpc-convert", cpus=SLURM_CPUS, mem_mb=SLURM_MEM_MB)
+    log_dir = unit_log_dir(cache_dir)
     pool = cluster.executor(log_dir / "%j", Executor.SLURM, request)
     # Registry credentials reach the nodes in the environment sbatch exports, never in the
     # job's script or its pickled arguments.
@@ -481,7 +464,7 @@ def _convert_on_slurm(
         hint="check --partition, --account and --qos (`sinfo` lists the partitions)",
     )
     if on_submitted is not None:
-        on_submitted(ConversionArray(jobs[0].job_id.split("_")[0], len(jobs), log_dir))
+        on_submitted(UnitArray(jobs[0].job_id.split("_")[0], len(jobs), log_dir))
     conversions = {job.job_id: conversion for job, conversion in zip(jobs, todo, strict=True)}
     for job, outcome in cluster.await_array(jobs, retry="run convert again to retry"):
         conversion = conversions[job.job_id]

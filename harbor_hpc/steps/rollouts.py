@@ -26,10 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.core.config import load_config
 from harbor_hpc.results.export import ExportFormat, rollout_lines
-from harbor_hpc.slurm.runs import follow
-from harbor_hpc.slurm.submit import configured_options, submit_run
+from harbor_hpc.steps.runs import follow
+from harbor_hpc.steps.submit import configured_options, submit_run
 
 
 @dataclass
@@ -64,8 +63,8 @@ def run_rollouts(request: RolloutRequest) -> list[dict[str, Any]]:
     """Run the request's trials to the end and return the rollout lines of the attempts that
     count (in `request.format`). Raises `HarborHpcError` for bad input, as the CLI reports it."""
     options = configured_options(
-        load_config(),
-        request.agent,
+        None,  # harbor-hpc.toml here, as the CLI reads it
+        agent=request.agent,
         model=request.model,
         agent_kwargs=dict(request.agent_kwargs),
         agent_env=list(request.agent_env),

@@ -1,0 +1,56 @@
+"""`status`, `export` and `--wait`: where a run stands, read from its files and its live jobs.
+
+`harbor_hpc.results` decides each attempt's state from the run's files and the set of its jobs
+still alive, which the executor's side (`harbor_hpc.slurm.runs.live_jobs`) gives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from harbor_hpc.results.export import Export, ExportFormat, export_run
+from harbor_hpc.results.record import load_run
+from harbor_hpc.results.status import RunStatus, attempt_statuses
+from harbor_hpc.slurm.runs import live_jobs
+
+# `--wait` reads the run's files this often, and asks squeue (which every user of a login
+# node shares) only every SQUEUE_EVERY_S: a trial's end shows first in its result.json.
+FOLLOW_EVERY_S = 2.0
+SQUEUE_EVERY_S = 15.0
+
+
+def run_status(run_dir: Path) -> RunStatus:
+    """Every task attempt of the run in `run_dir`: pending, running, done or failed (why)."""
+    record = load_run(run_dir)
+    return RunStatus.of(attempt_statuses(run_dir, record, live_jobs(record)))
+
+
+def export(
+    run_dir: Path, out: Path, *, fmt: ExportFormat = ExportFormat.FULL, dry_run: bool = False
+) -> Export:
+    """The run's rollouts into `out` in `fmt`, each marked whether it is the trial `status`
+    counts."""
+    return export_run(run_dir, out, run_status(run_dir).attempts, fmt=fmt, dry_run=dry_run)
+
+
+def follow(
+    run_dir: Path, *, every_s: float = FOLLOW_EVERY_S, squeue_every_s: float = SQUEUE_EVERY_S
+) -> Iterator[RunStatus]:
+    """The run's status, again every `every_s`, until nothing is pending or running.
+
+    Between two squeue calls the last answer stands: a job that ended since shows as ended
+    once its trials' result.json files are there, or at the next call when it left none.
+    """
+    record = load_run(run_dir)
+    alive = live_jobs(record)
+    asked = time.monotonic()
+    while True:
+        if time.monotonic() - asked >= squeue_every_s:
+            alive, asked = live_jobs(record), time.monotonic()
+        status = RunStatus.of(attempt_statuses(run_dir, record, alive))
+        yield status
+        if status.summary.finished:
+            return
+        time.sleep(every_s)

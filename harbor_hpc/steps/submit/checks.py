@@ -1,0 +1,226 @@
+"""What submit refuses before it records or queues anything: an agent or environment that
+cannot be made with what was given, kwargs that look like secrets, variables the agent would
+miss, and tasks whose image no node could get. None of them changes anything."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, flag
+from harbor_hpc.apptainer.store import sif_file, unavailable
+from harbor_hpc.core.config import Config, cache_dir
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.core.imports import cannot_import, import_class
+from harbor_hpc.slurm.worker import use_local_cost_map
+from harbor_hpc.steps.submit.options import CACHE_KWARG, ROLLOUT_KWARG
+from harbor_hpc.tasks.discovery import Task
+
+ReferenceCheck = Callable[[str], str | None]
+
+
+def reference_check(environment_kwargs: dict[str, Any]) -> ReferenceCheck:
+    """Why no node could get a registry reference (None when one can), asked once per image:
+    from the .sif store the run's environment uses, else from the registry."""
+    store = environment_kwargs.get(CACHE_KWARG)
+    nohttps = environment_kwargs.get("nohttps")
+    return functools.cache(
+        lambda image: unavailable(
+            image,
+            Path(store) if store else cache_dir(None, Config()),
+            nohttps=None if nohttps is None else flag(nohttps),
+        )
+    )
+
+
+def image_problem(task: Task, check: ReferenceCheck) -> str | None:
+    """Why `task` cannot run for want of an image (its own, or its separate verifier's), or None
+    when its images are there to use: a .sif that exists, or a reference a node can get."""
+    image = task.docker_image
+    if not image:
+        return (
+            f"{task.task_toml}: no environment.docker_image (run `harbor-hpc build`, then "
+            "`harbor-hpc rewrite --sif`; after a Docker build, `harbor-hpc convert` before it)"
+        )
+    problem = _image_problem(image, task.environment_dir, check)
+    if problem is not None:
+        return f"{task.task_toml}: docker_image {problem}"
+    return _verifier_image_problem(task, check)
+
+
+def _image_problem(image: str, folder: Path, check: ReferenceCheck) -> str | None:
+    sif = sif_file(image, folder)
+    if sif is not None:
+        return (
+            None
+            if sif.is_file()
+            else f"{image} does not exist (build or convert into that store, or run "
+            "`harbor-hpc rewrite --sif` with the manifest that has its .sif)"
+        )
+    why = check(image)
+    if why is None:
+        return None
+    return f"{image} cannot be had: {why} (build and push it, or fix the reference)"
+
+
+def _verifier_image_problem(task: Task, check: ReferenceCheck) -> str | None:
+    """Harbor's separate verifier takes `[verifier.environment] docker_image`, else builds
+    tests/Dockerfile (or tests/docker-compose.yaml), else runs in the task's own image."""
+    if not task.separate_verifier:
+        return None
+    image = task.verifier_docker_image
+    if not image:
+        built = [
+            name
+            for name in ("Dockerfile", "docker-compose.yaml")
+            if (task.tests_dir / name).is_file()
+        ]
+        if not built:
+            return None  # the verifier runs in the task's own image
+        return (
+            f"{task.task_toml}: the separate verifier builds tests/{built[0]} but sets no "
+            "verifier.environment.docker_image (run `harbor-hpc build`, then `harbor-hpc "
+            "rewrite --sif`)"
+        )
+    # Harbor gives the verifier tests/ as its folder.
+    problem = _image_problem(image, task.tests_dir, check)
+    if problem is not None:
+        return f"{task.task_toml}: verifier.environment.docker_image {problem}"
+    return None
+
+
+def agent_class(agent: str) -> type:
+    """The class Harbor runs for `--agent`: a name its agent factory knows, or module:Class."""
+    use_local_cost_map()  # agents that call models import litellm
+    if ":" in agent:
+        return import_class("--agent", agent)
+    from harbor.agents.factory import AgentFactory
+    from harbor.models.agent.name import AgentName
+
+    names = AgentFactory.registered_names()
+    if agent not in names:
+        raise InputError(
+            f"--agent {agent!r} is not a Harbor agent",
+            hint="one of: " + ", ".join(names) + ", or an import path module:Class",
+        )
+    try:
+        found: type = AgentFactory.get_agent_class(AgentName(agent))
+    except Exception as exc:  # an import runs arbitrary code: any error is the agent's
+        raise cannot_import("--agent", agent, exc) from None
+    return found
+
+
+def check_agent(
+    agent: type, name: str, model: str | None, kwargs: dict[str, Any], task: Task
+) -> None:
+    """Refuse what would fail on every node: the agent made as a trial of `task` makes it,
+    with `model` and `kwargs` (Harbor checks its options and the models it requires there)."""
+    from harbor.models.trial.paths import TrialPaths
+
+    with tempfile.TemporaryDirectory(prefix="harbor-hpc-agent-") as logs:
+        extra: dict[str, Any] = {}
+        if name == "oracle":  # what Harbor's trial gives the oracle (Trial._init_agent)
+            extra = {"task_dir": task.path, "trial_paths": TrialPaths(Path(logs))}
+        try:
+            agent(logs_dir=Path(logs), model_name=model, **extra, **kwargs)
+        except Exception as exc:  # the agent's own check, whatever it raises
+            said = str(exc).strip() or type(exc).__name__
+            given = sorted(key for key in kwargs if key != ROLLOUT_KWARG)
+            first, _, rest = said.partition("\n")
+            raise InputError(
+                f"--agent {name} cannot be made with "
+                + (f"--model {model}" if model else "no --model")
+                + (f" and --agent-kwarg {', '.join(given)}" if given else "")
+                + f" (for task {task.rel}): {first}",
+                hint=" ".join(rest.split())
+                or f"`harbor agent schema {name}` lists its options; check --model and the task",
+            ) from None
+
+
+def takes_kwarg(cls: type, name: str) -> bool:
+    """Whether `cls(...)` takes `name`: a parameter of an `__init__` up its class chain (as far
+    as each passes `**kwargs` on), or a field of its Harbor agent options model."""
+    options = getattr(cls, "options_model", None)
+    if options is not None and name in options.model_fields:
+        return True
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        parameters = inspect.signature(init).parameters
+        if name in parameters:
+            return True
+        if all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return False
+    return False
+
+
+def default_agent_kwargs(agent: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with token collection on for an agent that can collect tokens, unless the user
+    set it (`--agent-kwarg collect_rollout_details=false`)."""
+    if ROLLOUT_KWARG in kwargs or not takes_kwarg(agent, ROLLOUT_KWARG):
+        return kwargs
+    return {**kwargs, ROLLOUT_KWARG: True}
+
+
+# What Harbor passes every environment itself, so a user's kwarg of that name is an error or
+# silently lost: the trial's own arguments (harbor/trial/trial.py, both environments), and of the
+# factory's (harbor/environments/factory.py) `stream`, which import-path environments refuse. The
+# factory's others (override_cpus..., the enforcement policies, persistent_env,
+# extra_docker_compose) come from TrialConfig.environment, which user kwargs override: allowed.
+def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
+    """Refuse an environment that does not import, or kwargs it does not take."""
+    accepted = accepted_environment_kwargs(import_class("--environment", environment))
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise InputError(
+            f"--environment-kwarg {', '.join(unknown)}: not accepted by {environment}, which "
+            f"takes: {', '.join(accepted) or 'none'}"
+        )
+
+
+def refuse_secrets(kwargs: dict[str, Any], option: str) -> None:
+    """A kwarg named like a secret (Harbor's own rule: key, secret, token, password...) would be
+    written into run.json and every trial's config.json, readable for as long as they last."""
+    from harbor.utils.env import is_sensitive_env_key
+
+    secret = sorted(name for name in kwargs if is_sensitive_env_key(name))
+    if secret:
+        raise InputError(
+            f"{option} {', '.join(secret)}: looks like a secret, and kwargs are written down",
+            hint="pass it as --agent-env NAME (taken from your environment) or "
+            "--agent-env NAME=VALUE: the agent gets it from the job's environment only",
+        )
+
+
+def agent_env(specs: list[str]) -> dict[str, str | None]:
+    """`--agent-env NAME[=VALUE]` as each name with the value given (None: the one in this
+    process's environment, which must be set). Nothing is put anywhere: the values reach the
+    jobs' environment when they are queued (`launch`), never a file."""
+    given: dict[str, str | None] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise InputError(
+                f"--agent-env {name!r} is not a variable name", hint="e.g. OPENAI_API_KEY"
+            )
+        given[name] = value if sep else given.get(name)
+    require_agent_env(list(given), given)
+    return given
+
+
+def require_agent_env(names: list[str], given: Mapping[str, str | None] | None = None) -> None:
+    """Refuse to queue a run whose agent would miss variables the caller did not set (in this
+    process's environment, or a value `given`)."""
+    unset = [name for name in names if name not in os.environ and (given or {}).get(name) is None]
+    if unset:
+        raise InputError(
+            f"--agent-env {', '.join(unset)}: not set in your environment",
+            hint="export it first, or pass --agent-env NAME=VALUE",
+        )

@@ -1,0 +1,335 @@
+"""Submit a run (`submit`) or what is left of one (`resubmit`) as submitit array jobs.
+
+The checks come first (`checks`), then the plan (`plan`), which is written to `run.json` before
+anything is queued, so a run whose submission is interrupted still says what it was meant to
+be; the job ids are added as soon as Slurm hands them out. Tasks whose image is missing are
+recorded and not submitted. Tasks that ask for different resources go out as arrays of their
+own, each element sized for its tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.files import LockTimeout, file_lock
+from harbor_hpc.results.classify import AttemptState, FailureClass
+from harbor_hpc.results.record import (
+    Chunk,
+    RunPaths,
+    RunRecord,
+    Submission,
+    Unit,
+    create_run,
+    load_run,
+    make_private,
+    now_iso,
+    update_run,
+)
+from harbor_hpc.results.status import AttemptStatus, attempt_statuses
+from harbor_hpc.slurm import cluster
+from harbor_hpc.slurm.cluster import Executor, JobRequest, choose_executor
+from harbor_hpc.slurm.resources import chunked
+from harbor_hpc.slurm.runs import live_jobs
+from harbor_hpc.slurm.worker import ChunkWorker
+from harbor_hpc.steps.submit.checks import (
+    agent_class,
+    agent_env,
+    check_agent,
+    check_environment,
+    default_agent_kwargs,
+    image_problem,
+    reference_check,
+    refuse_secrets,
+    require_agent_env,
+)
+from harbor_hpc.steps.submit.options import (
+    SubmitOptions,
+    placed_environment_kwargs,
+    recorded_placement,
+)
+from harbor_hpc.steps.submit.plan import Group, plan_groups
+from harbor_hpc.tasks.discovery import Task, discover_tasks, load_task
+
+
+@dataclass
+class SubmitResult:
+    run_dir: Path
+    executor: Executor
+    submission: int | None
+    job_ids: list[str]
+    units: list[Unit]
+    groups: list[Group]
+    image_problems: dict[str, str]
+    skipped: list[AttemptStatus] = field(default_factory=list)
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    # As recorded: with token collection (`collect_rollout_details`) on by default.
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Only planned: nothing was queued or recorded.
+    dry_run: bool = False
+
+    @property
+    def chunks(self) -> list[list[Unit]]:
+        return [chunk for group in self.groups for chunk in group.chunks]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "executor": self.executor,
+            "submission": self.submission,
+            "job_ids": self.job_ids,
+            "trials": len(self.units),
+            "elements": len(self.chunks),
+            "groups": [group.to_json() for group in self.groups],
+            "image_problems": self.image_problems,
+            "agent_kwargs": self.agent_kwargs,
+            "environment_kwargs": self.environment_kwargs,
+            "dry_run": self.dry_run,
+        }
+
+
+def submit_run(
+    tasks_dir: Path, run_dir: Path, options: SubmitOptions, *, dry_run: bool = False
+) -> SubmitResult:
+    """Discover the tasks, record the run in `run_dir`, and queue every task attempt."""
+    if options.tasks_per_job < 1 or options.concurrency < 1 or options.attempts < 1:
+        raise InputError("--tasks-per-job, --concurrency and --attempts must be at least 1")
+    agent = agent_class(options.agent)
+    agent_kwargs = default_agent_kwargs(agent, options.agent_kwargs)
+    refuse_secrets(options.agent_kwargs, "--agent-kwarg")
+    refuse_secrets(options.environment_kwargs, "--environment-kwarg")
+    environment_kwargs = placed_environment_kwargs(options)
+    check_environment(options.environment, environment_kwargs)
+    executor = choose_executor(options.executor)
+    run_dir = run_dir.expanduser().absolute()
+    discovery = discover_tasks(tasks_dir, require_dockerfile=False)
+    if discovery.problems:
+        raise InputError(
+            "some tasks cannot be read:\n  " + "\n  ".join(str(p) for p in discovery.problems),
+            hint="fix or remove these task folders",
+        )
+    if not discovery.tasks:
+        raise InputError(f"{tasks_dir}: no tasks (folders with task.toml) found")
+    check_agent(agent, options.agent, options.model, agent_kwargs, discovery.tasks[0])
+    given_env = agent_env(options.agent_env)
+    values = {name: value for name, value in given_env.items() if value is not None}
+    record = RunRecord(
+        tasks_root=str(discovery.root),
+        tasks=[task.rel for task in discovery.tasks],
+        agent=options.agent,
+        model=options.model,
+        agent_kwargs=agent_kwargs,
+        agent_env=sorted(given_env),
+        environment=options.environment,
+        environment_kwargs=environment_kwargs,
+        options={**options.to_json(), "executor": str(executor)},
+    )
+    if not RunPaths(run_dir).record.exists() and not dry_run:
+        make_private(run_dir, record.group_readable)
+    with contextlib.nullcontext() if dry_run else only_writer(run_dir):
+        if RunPaths(run_dir).record.exists():
+            # The same submit again continues the run: it queues only what has no finished
+            # trial.
+            differences = load_run(run_dir).differences(record)
+            if differences:
+                raise InputError(
+                    f"{run_dir}: already holds a run with another {', '.join(differences)}",
+                    hint="pick another --run-dir, or `harbor-hpc resubmit` to continue that run",
+                )
+            return _resubmit(run_dir, failed=False, dry_run=dry_run, env=values)
+        if not dry_run:
+            create_run(run_dir, record)
+        return _launch(
+            run_dir, record, record.units(), discovery.by_rel(), dry_run=dry_run, env=values
+        )
+
+
+def resubmit_run(run_dir: Path, *, failed: bool = False, dry_run: bool = False) -> SubmitResult:
+    """Queue again the attempts without a finished trial (and with `failed`, the failed ones).
+
+    Attempts still pending or running are left alone; done ones are never run again.
+    """
+    run_dir = run_dir.expanduser().absolute()
+    if dry_run:
+        return _resubmit(run_dir, failed=failed, dry_run=True)
+    load_run(run_dir)  # a folder without a run is named as such, before any lock file is made
+    with only_writer(run_dir):
+        return _resubmit(run_dir, failed=failed, dry_run=False)
+
+
+@contextlib.contextmanager
+def only_writer(run_dir: Path) -> Iterator[None]:
+    """Be the one submit or resubmit of `run_dir`, from planning to the last queued job: two at
+    once would each queue what the other queues."""
+    try:
+        with file_lock(RunPaths(run_dir).submit_lock, timeout=0):
+            yield
+    except LockTimeout as busy:
+        raise HarborHpcError(
+            f"{run_dir}: another submit or resubmit of this run is under way "
+            f"({busy.message.rpartition('locked by ')[2]})",
+            hint="wait for it to end, then run `harbor-hpc status` (or resubmit) on the run",
+        ) from None
+
+
+def _resubmit(
+    run_dir: Path, *, failed: bool, dry_run: bool, env: Mapping[str, str] | None = None
+) -> SubmitResult:
+    record = load_run(run_dir)
+    require_agent_env(record.agent_env, env)
+    statuses = attempt_statuses(run_dir, record, live_jobs(record))
+    units = []
+    skipped = []
+    for status in statuses:
+        lost = status.state == AttemptState.FAILED and (
+            status.failure in (FailureClass.INFRASTRUCTURE, FailureClass.IMAGE)
+            or status.trial is None
+        )
+        if lost or (failed and status.state == AttemptState.FAILED):
+            units.append(Unit(status.task, status.attempt))
+        elif status.state in (AttemptState.PENDING, AttemptState.RUNNING):
+            skipped.append(status)
+    tasks: dict[str, Task] = {}
+    for task_rel in {unit.task for unit in units}:
+        loaded = load_task(
+            Path(record.tasks_root), record.task_path(task_rel), require_dockerfile=False
+        )
+        if not isinstance(loaded, Task):
+            raise InputError(str(loaded), hint="fix the task, then resubmit again")
+        tasks[task_rel] = loaded
+    result = _launch(run_dir, record, units, tasks, dry_run=dry_run, env=env)
+    result.skipped = skipped
+    return result
+
+
+def _launch(
+    run_dir: Path,
+    record: RunRecord,
+    units: list[Unit],
+    tasks: dict[str, Task],
+    *,
+    dry_run: bool,
+    env: Mapping[str, str] | None = None,
+) -> SubmitResult:
+    """Record image problems, group, chunk and size the runnable units, and queue them (with
+    `env`, the `--agent-env` values given, in the environment the jobs get)."""
+    executor = choose_executor(str(record.options["executor"]))
+    check = reference_check(record.environment_kwargs)
+    problems = {
+        rel: problem
+        for rel in sorted({unit.task for unit in units})
+        if (problem := image_problem(tasks[rel], check)) is not None
+    }
+    runnable = [unit for unit in units if unit.task not in problems]
+    groups = plan_groups(record, runnable, tasks, executor)
+    result = SubmitResult(run_dir, executor, None, [], runnable, groups, problems, dry_run=dry_run)
+    result.environment_kwargs = record.environment_kwargs
+    result.agent_kwargs = record.agent_kwargs
+    if dry_run:
+        return result
+    with update_run(run_dir) as fresh:
+        for rel in {unit.task for unit in units}:
+            fresh.image_problems.pop(rel, None)
+        fresh.image_problems.update(problems)
+        number = len(fresh.submissions) + 1
+        if groups:
+            fresh.submissions.append(
+                Submission(
+                    number=number,
+                    executor=executor,
+                    host=socket.gethostname(),
+                    submitted_at=now_iso(),
+                    chunks=[
+                        Chunk(chunk, resources=group.resources.to_json())
+                        for group in groups
+                        for chunk in group.chunks
+                    ],
+                )
+            )
+    if not groups:
+        return result
+    result.submission = number
+    queued = 0
+    try:
+        # Each array's ids are recorded as soon as Slurm gives them, so that a refusal of a
+        # later array leaves the earlier ones known to status and resubmit.
+        with _exported(env or {}):
+            for job_ids in _queue(run_dir, record, number, groups, executor):
+                with update_run(run_dir) as fresh:
+                    submission = fresh.submissions[number - 1]
+                    for chunk, job_id in zip(submission.chunks[queued:], job_ids, strict=False):
+                        chunk.job = job_id
+                    queued += len(job_ids)
+                    result.job_ids = submission.job_ids
+    except HarborHpcError as exc:
+        if queued == 0 and number == 1:
+            _forget_run(run_dir)  # nothing ran: the same submit can simply be run again
+        elif queued:
+            exc.exit_code = 1  # earlier arrays run: a partial failure, whatever stopped the rest
+        raise
+    return result
+
+
+def _forget_run(run_dir: Path) -> None:
+    paths = RunPaths(run_dir)
+    for path in (paths.record, paths.lock):
+        path.unlink(missing_ok=True)
+    shutil.rmtree(paths.submitit, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _exported(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` (`--agent-env NAME=VALUE`) in this process's environment while jobs are
+    queued, which sbatch hands to the jobs and local jobs inherit; gone again after."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def _queue(
+    run_dir: Path,
+    record: RunRecord,
+    number: int,
+    groups: list[Group],
+    executor: Executor,
+) -> Iterator[list[str]]:
+    """Submit each group's chunks, in order, as array jobs of their resources (several when
+    MaxArraySize is smaller); yields the element job ids of each array as it is queued."""
+    options = record.options
+    limit = cluster.max_array_size() if executor is Executor.SLURM else None
+    worker = ChunkWorker(str(run_dir), number, int(options["concurrency"]))
+    for group in groups:
+        request = JobRequest(
+            name=f"harbor-hpc:{run_dir.name}",
+            time_min=group.resources.time_min,
+            mem_mb=group.resources.mem_mb,
+            cpus=group.resources.cpus,
+            gpus=group.resources.gpus,
+            gpu_type=next(iter(group.resources.gpu_types), None),
+            placement=recorded_placement(options),
+            array_parallelism=options.get("array_parallelism"),
+        )
+        pool = cluster.executor(RunPaths(run_dir).submitit / "%j", executor, request)
+        for part in chunked(group.chunks, limit or len(group.chunks)):
+            jobs = cluster.submit_array(
+                pool,
+                worker,
+                [[u.to_json() for u in chunk] for chunk in part],
+                what="the run's array job",
+                hint="check --partition/--account/--qos and the resources",
+            )
+            yield [job.job_id for job in jobs]
