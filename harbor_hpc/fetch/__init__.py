@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.core.batch import State, Step, done, failed, skipped
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.steps import State, Step, done, failed, skipped
 from harbor_hpc.fetch.hub import Hub, PlannedFile, download, plan
 from harbor_hpc.fetch.place import Destination, archive_folder, load_state, sha256_of
 from harbor_hpc.fetch.unpack import UnsafeArchiveError, check, is_archive

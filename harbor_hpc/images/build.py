@@ -43,8 +43,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.core.batch import Step, done, failed
 from harbor_hpc.core.errors import HarborHpcError, InputError
-from harbor_hpc.core.steps import Step, done, failed
 from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
 from harbor_hpc.images.dockerfile import read_dockerfile
 from harbor_hpc.images.engine import BuilderKind

@@ -39,9 +39,9 @@ import tomlkit
 import tomlkit.exceptions
 import yaml
 
+from harbor_hpc.core.batch import Step, done, skipped
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import atomic_write_bytes
-from harbor_hpc.core.steps import Step, done, skipped
 from harbor_hpc.tasks.compose import compose_file
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, load_manifest
