@@ -175,3 +175,35 @@ def test_a_script_slurm_refuses_is_bad_input_unless_the_controller_is_unreachabl
     assert unreachable.value.exit_code == 1
     fake_slurm.answer("sbatch", "4242\n")
     assert cluster.submit_script(script, what="the job", hint="check --partition") == "4242"
+
+
+def test_one_placement_places_an_array_and_a_batch_script_alike(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    """`SlurmPlacement` is what every step takes: submitit's arrays (submit, convert, build)
+    and our own batch scripts (ray up) ask Slurm for the same."""
+    placement = cluster.SlurmPlacement(
+        partition="debug",
+        account="lab",
+        qos="high",
+        time_min=7,
+        sbatch_args=("--constraint=a100", "exclusive"),
+    )
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    request = cluster.unit_request("harbor-hpc-test", placement, cpus=2, mem_mb=100)
+    pool = cluster.executor(tmp_path / "%j", Executor.SLURM, request)
+    cluster.submit_array(pool, print, ["x"], what="the test job", hint="none")
+    [[script]] = fake_slurm.calls("sbatch")
+    array = Path(script).read_text().splitlines()
+    expected = [
+        "#SBATCH --partition=debug",
+        "#SBATCH --account=lab",
+        "#SBATCH --qos=high",
+        "#SBATCH --constraint=a100",
+        "#SBATCH --exclusive",
+    ]
+    assert placement.script_lines() == expected
+    assert set(expected) | {"#SBATCH --time=7"} <= set(array)
+    assert cluster.unit_request("x", cluster.SlurmPlacement(), cpus=1, mem_mb=1).time_min == 60
+    with pytest.raises(InputError, match="--sbatch-arg '=' is empty"):
+        cluster.SlurmPlacement(sbatch_args=("=",)).sbatch()
