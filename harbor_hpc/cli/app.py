@@ -252,13 +252,6 @@ BuildArgOption = Annotated[
 LISTED = 20
 
 
-def build_args(config: Config, flags: list[str] | None) -> dict[str, str]:
-    """The config file's build args, then the flags' (a later NAME wins)."""
-    from harbor_hpc.images.build import parse_build_args
-
-    return parse_build_args([*config.pick("build_args", None, []), *(flags or [])])
-
-
 def show_problems(problems: list[TaskProblem]) -> None:
     for problem in problems[:LISTED]:
         warn(str(problem))

@@ -16,7 +16,6 @@ from harbor_hpc.cli.app import (
     TasksArgument,
     VerboseOption,
     app,
-    build_args,
     info,
     manifest_path,
     render,
@@ -25,6 +24,7 @@ from harbor_hpc.cli.app import (
     stdout,
     warn,
 )
+from harbor_hpc.core.config import configured
 from harbor_hpc.core.errors import HarborHpcError
 
 if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
@@ -130,18 +130,20 @@ def setup_sh(
     verbose: VerboseOption = 0,
 ) -> None:
     """Write environment/files/setup.sh into every task that has none."""
-    from harbor_hpc.images.setup_sh import write_setup_scripts
+    from harbor_hpc.images.setup_sh import SetupRequest, write_setup_scripts
 
     config = setup(verbose)
-    wheels_dir = config.pick("wheels_dir", str(wheels) if wheels else None, "")
-    result = write_setup_scripts(
-        tasks_dir,
+    request = configured(
+        SetupRequest,
+        config,
+        tasks_dir=tasks_dir,
         force=force,
-        wheels=Path(wheels_dir) if wheels_dir else None,
+        wheels_dir=wheels,
         replay_copy=replay_copy,
-        build_args=build_args(config, build_arg),
+        build_args=build_arg,
         dry_run=dry_run,
     )
+    result = write_setup_scripts(request)
     render(result, json=json_output, show=_show_setup)
     if result.problems:
         raise HarborHpcError(

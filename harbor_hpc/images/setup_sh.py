@@ -22,11 +22,12 @@ import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.core.templates import read_template
+from harbor_hpc.images.build import parse_build_args
 from harbor_hpc.images.context import ContextError, context_files, match_source
 from harbor_hpc.images.dockerfile import Copy, read_dockerfile
 from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
@@ -84,18 +85,30 @@ def check_wheels(folder: Path) -> list[Path]:
     return wheels
 
 
-def write_setup_scripts(
-    root: Path,
-    *,
-    force: bool = False,
-    wheels: Path | None = None,
-    replay_copy: bool = False,
-    build_args: Mapping[str, str] | None = None,
-    dry_run: bool = False,
-) -> SetupResult:
-    """Give every task under `root` a setup.sh (and staged wheels / replay sources).
+@dataclass(frozen=True)
+class SetupRequest:
+    """One `setup-sh` over the tasks under `tasks_dir`."""
 
-    `build_args` are those the images were built with: the replayed copies expand them."""
+    tasks_dir: Path
+    # Replace setup.sh files that exist.
+    force: bool = False
+    # Wheels of the exec server's packages to stage, for offline nodes.
+    wheels_dir: Path | None = None
+    # Repeat the Dockerfile's COPY/ADD of local files in setup.sh.
+    replay_copy: bool = False
+    # `NAME=VALUE`: those the images were built with; the replayed copies expand them.
+    build_args: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    # What harbor-hpc.toml may set (`core.config.configured`).
+    CONFIGURED: ClassVar[tuple[str, ...]] = ("wheels_dir", "build_args")
+
+
+def write_setup_scripts(request: SetupRequest) -> SetupResult:
+    """Give every task under `request.tasks_dir` a setup.sh (and staged wheels / replay
+    sources)."""
+    root, wheels, force = request.tasks_dir, request.wheels_dir, request.force
+    replay_copy, dry_run = request.replay_copy, request.dry_run
+    build_args = parse_build_args(request.build_args)
     wheel_files = check_wheels(wheels) if wheels else []
     discovery = discover_tasks(root, require_dockerfile=replay_copy)
     result = SetupResult(dry_run, problems=list(discovery.problems))

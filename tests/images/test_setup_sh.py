@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.images.setup_sh import check_wheels, render_setup_sh, write_setup_scripts
+from harbor_hpc.images.setup_sh import (
+    SetupRequest,
+    check_wheels,
+    render_setup_sh,
+    write_setup_scripts,
+)
 
 
 def make_task(root: Path, rel: str, dockerfile: str, files: dict[str, str]) -> Path:
@@ -67,7 +72,7 @@ def test_replayed_copies_land_where_docker_puts_them(tmp_path: Path) -> None:
         },
     )
     add_archive(env, "data.tgz", {"inner/x.txt": "x\n"})
-    result = write_setup_scripts(tmp_path / "tasks", replay_copy=True)
+    result = write_setup_scripts(SetupRequest(tmp_path / "tasks", replay_copy=True))
     assert result.written == ["t"] and result.problems == []
     staged = env / "files"
     assert (staged / "_replay" / "conf" / "a.ini").is_file()
@@ -87,12 +92,14 @@ def test_replayed_copies_land_where_docker_puts_them(tmp_path: Path) -> None:
 
 def test_existing_setup_sh_is_kept_unless_forced(tmp_path: Path) -> None:
     env = make_task(tmp_path / "tasks", "t", "FROM base\n", {"files/setup.sh": "echo mine\n"})
-    result = write_setup_scripts(tmp_path / "tasks")
+    result = write_setup_scripts(SetupRequest(tmp_path / "tasks"))
     assert result.kept == ["t"] and result.written == []
     assert (env / "files" / "setup.sh").read_text() == "echo mine\n"
-    assert write_setup_scripts(tmp_path / "tasks", dry_run=True, force=True).written == ["t"]
+    assert write_setup_scripts(
+        SetupRequest(tmp_path / "tasks", dry_run=True, force=True)
+    ).written == ["t"]
     assert (env / "files" / "setup.sh").read_text() == "echo mine\n"
-    write_setup_scripts(tmp_path / "tasks", force=True)
+    write_setup_scripts(SetupRequest(tmp_path / "tasks", force=True))
     assert "harbor_hpc_setup" in (env / "files" / "setup.sh").read_text()
 
 
@@ -101,7 +108,7 @@ def test_unreplayable_dockerfile_is_named_and_others_written(tmp_path: Path) -> 
     make_task(root, "multi", "FROM a AS b\nFROM c\nCOPY --from=b /x /x\n", {})
     make_task(root, "missing", "FROM a\nCOPY nothere.txt /x\n", {})
     make_task(root, "fine", "FROM a\nRUN true\n", {})
-    result = write_setup_scripts(root, replay_copy=True)
+    result = write_setup_scripts(SetupRequest(root, replay_copy=True))
     assert result.written == ["fine"]
     messages = {problem.path.parent.parent.name: problem.message for problem in result.problems}
     assert messages["multi"] == "cannot replay: COPY --from=b"
@@ -111,16 +118,16 @@ def test_unreplayable_dockerfile_is_named_and_others_written(tmp_path: Path) -> 
 def test_replay_expands_the_build_args_the_image_was_built_with(tmp_path: Path) -> None:
     root = tmp_path / "tasks"
     env = make_task(root, "t", "FROM a\nARG DATA\nCOPY $DATA /data\n", {"one.txt": "1"})
-    without = write_setup_scripts(root, replay_copy=True, dry_run=True)
+    without = write_setup_scripts(SetupRequest(root, replay_copy=True, dry_run=True))
     assert "$DATA has no value" in without.problems[0].message
-    result = write_setup_scripts(root, replay_copy=True, build_args={"DATA": "one.txt"})
+    result = write_setup_scripts(SetupRequest(root, replay_copy=True, build_args=["DATA=one.txt"]))
     assert result.written == ["t"]
     assert "one.txt" in (env / "files" / "setup.sh").read_text()
 
 
 def test_script_fails_clearly_without_python_deps_or_wheels(tmp_path: Path) -> None:
     env = make_task(tmp_path / "tasks", "t", "FROM base\n", {})
-    write_setup_scripts(tmp_path / "tasks")
+    write_setup_scripts(SetupRequest(tmp_path / "tasks"))
     no_pip = tmp_path / "python-without-anything"
     no_pip.write_text("#!/bin/sh\nexit 1\n")
     no_pip.chmod(0o755)
@@ -142,7 +149,9 @@ def test_script_installs_server_deps_offline_in_a_container(tmp_path: Path) -> N
         pytest.skip("HARBOR_HPC_TEST_WHEELS is not set")
     image = os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
     env = make_task(tmp_path / "tasks", "t", "FROM base\nCOPY app.py /app/\n", {"app.py": "1\n"})
-    result = write_setup_scripts(tmp_path / "tasks", wheels=wheels, replay_copy=True)
+    result = write_setup_scripts(
+        SetupRequest(tmp_path / "tasks", wheels_dir=wheels, replay_copy=True)
+    )
     assert result.written == ["t"]
     files = env / "files"
     assert {wheel.name for wheel in (files / "wheels").iterdir()} >= {
@@ -171,7 +180,7 @@ def test_script_installs_server_deps_offline_in_a_container(tmp_path: Path) -> N
 def test_script_says_why_an_image_without_python_cannot_serve(tmp_path: Path) -> None:
     image = os.environ.get("HARBOR_HPC_TEST_NOPY_IMAGE", "local/debian-nopython:bookworm")
     env = make_task(tmp_path / "tasks", "t", "FROM base\n", {})
-    write_setup_scripts(tmp_path / "tasks")
+    write_setup_scripts(SetupRequest(tmp_path / "tasks"))
     run = subprocess.run(
         [
             *("docker", "run", "--rm", "--network=none"),
