@@ -104,7 +104,11 @@ AccountOption = Annotated[
 QosOption = Annotated[str | None, typer.Option("--qos", help="Slurm QOS. [config: qos]")]
 SbatchArgOption = Annotated[
     list[str] | None,
-    typer.Option("--sbatch-arg", help="Extra sbatch option, e.g. constraint=a100; repeatable."),
+    typer.Option(
+        "--sbatch-arg",
+        metavar="KEY[=VALUE]",
+        help="Extra sbatch option, e.g. constraint=a100; repeatable.",
+    ),
 ]
 NoHttpsOption = Annotated[
     bool,

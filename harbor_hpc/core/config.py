@@ -94,7 +94,8 @@ def _parse(path: Path) -> dict[str, Any]:
                 hint="known keys: " + ", ".join(sorted(KNOWN_KEYS)),
             )
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise InputError(f"{path}: {key} must be a {expected.__name__}, not {value!r}")
+            kind = {str: "a string", int: "an integer", bool: "true or false", list: "a list"}
+            raise InputError(f"{path}: {key} must be {kind[expected]}, not {value!r}")
         if isinstance(value, list) and not all(isinstance(item, str) for item in value):
             raise InputError(f"{path}: {key} must be a list of strings, not {value!r}")
     return data

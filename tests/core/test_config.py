@@ -34,8 +34,8 @@ def test_user_config_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     ("text", "message"),
     [
         ("partion = 'x'", "unknown key 'partion'"),
-        ("jobs = 'four'", "jobs must be a int"),
-        ("jobs = true", "jobs must be a int"),
+        ("jobs = 'four'", "jobs must be an integer"),
+        ("jobs = true", "jobs must be an integer"),
         ("jobs = ", "not valid TOML"),
         ("build_args = 'A=1'", "build_args must be a list"),
         ("build_args = ['A=1', 2]", "build_args must be a list of strings"),
