@@ -18,13 +18,13 @@ process group). A bash is kept spawned ahead of time, waiting to source the next
 script from a pipe, which takes the shell's start-up off the exec round trip.
 """
 
-# The image's python3 runs this, which may be as old as 3.5: no f-strings.
-# ruff: noqa: UP031
+# The image's python3 runs this, which may be as old as 3.5: no f-strings. Every module it
+# imports is read through the image's FUSE mount before the greeting: no contextlib.
+# ruff: noqa: UP031, SIM105
 
-import contextlib
 import errno
 import os
-import selectors
+import select
 import signal
 import sys
 import time
@@ -51,6 +51,32 @@ APPTAINER_PREFIXES = ("APPTAINER_", "SINGULARITY_")
 APPTAINER_LIBS = "/.singularity.d/libs"
 
 
+class Poller:
+    """The part of selectors.DefaultSelector the server uses, on select.poll: importing
+    selectors (and contextlib) read a dozen modules more through the image's FUSE mount before
+    the greeting, some 10 ms of every container's start."""
+
+    def __init__(self):
+        self.poll = select.poll()
+        self.data = {}
+
+    def register(self, fd, data):
+        self.poll.register(fd, select.POLLIN)
+        self.data[fd] = data
+
+    def modify(self, fd, data):
+        self.data[fd] = data
+
+    def unregister(self, fd):
+        self.poll.unregister(fd)
+        del self.data[fd]
+
+    def select(self, timeout):
+        """(fd, data) of each descriptor readable or closed within `timeout` s (None: no limit)."""
+        wait_ms = None if timeout is None else int(-(-timeout * 1000 // 1))
+        return [(fd, self.data[fd]) for fd, _ in self.poll.poll(wait_ms) if fd in self.data]
+
+
 class Job:
     def __init__(self, job_id, pid, out_fd, err_fd, deadline):
         self.id = job_id
@@ -72,14 +98,14 @@ class Server:
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.close(null)
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.chan_in, selectors.EVENT_READ, "channel")
+        self.selector = Poller()
+        self.selector.register(self.chan_in, "channel")
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         os.set_blocking(wake_r, False)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        self.selector.register(wake_r, selectors.EVENT_READ, "wake")
+        self.selector.register(wake_r, "wake")
         self.wake_r = wake_r
         self.inbuf = b""
         self.jobs = {}
@@ -130,7 +156,7 @@ class Server:
         self.jobs[job_id] = job
         self.by_pid[pid] = job
         for fd in job.fds:
-            self.selector.register(fd, selectors.EVENT_READ, job)
+            self.selector.register(fd, job)
 
     @staticmethod
     def send_script(ctl_w, script):
@@ -149,17 +175,20 @@ class Server:
     # -- the event loop ----------------------------------------------------
     def run(self):
         self.send(("H py %d\n" % os.getuid()).encode())
+        # The host goes on (connects the network, starts its watchdog) while the warm shells
+        # load and ctypes is imported: no script can start before the loop reads the channel.
         self.prepare_warm()
+        become_subreaper()
         while self.running or self.jobs:
-            for key, _ in self.selector.select(self.next_wait()):
-                if key.data == "channel":
+            for fd, data in self.selector.select(self.next_wait()):
+                if data == "channel":
                     self.read_channel()
-                elif key.data == "wake":
+                elif data == "wake":
                     self.drain_wake()
-                elif key.data == "orphan":
-                    self.read_orphan(key.fd)
+                elif data == "orphan":
+                    self.read_orphan(fd)
                 else:
-                    self.read_job(key.data, key.fd)
+                    self.read_job(data, fd)
             self.reap()
             self.check_times()
             if self.running:
@@ -277,7 +306,7 @@ class Server:
                 kill_group(job.pid)
             if job.exited_at is not None and now >= job.exited_at + LINGER_SEC:
                 for fd in list(job.fds):
-                    self.selector.modify(fd, selectors.EVENT_READ, "orphan")
+                    self.selector.modify(fd, "orphan")
                 job.fds.clear()
                 self.maybe_finish(job)
 
@@ -328,14 +357,18 @@ def kill_container_processes():
         return
     for entry in entries:
         if entry.isdigit() and int(entry) != os.getpid():
-            with contextlib.suppress(OSError):
+            try:
                 if os.readlink("/proc/%s/ns/mnt" % entry) == own:
                     os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def kill_group(pid):
-    with contextlib.suppress(OSError):
+    try:
         os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def exit_code(status):
@@ -358,10 +391,12 @@ def become_subreaper():
 
 def hold_tmpfs_fds():
     for number, path in TMPFS_FDS:
-        with contextlib.suppress(OSError):
+        try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-            os.dup2(fd, number, inheritable=False)
-            os.close(fd)
+        except OSError:
+            continue
+        os.dup2(fd, number, inheritable=False)
+        os.close(fd)
 
 
 def docker_environment(image_env_file):
@@ -392,7 +427,6 @@ def main():
     # Docker's umask, whatever the user's (a cluster login often has 077): files the task's root
     # makes stay readable by its other users, as the task expects.
     os.umask(0o022)
-    become_subreaper()
     hold_tmpfs_fds()
     workdir = sys.argv[1] if len(sys.argv) > 1 else "/"
     docker_environment(sys.argv[2] if len(sys.argv) > 2 else "")
