@@ -34,12 +34,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from bench_environment import add_image_arguments, make_environment, server_sif
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.runtime import FUSE_HELPERS, find_apptainer
+from harbor_hpc.apptainer.watchdog import kill_processes
 
 AT_ONCE = 16
 APPTAINER_FLAGS = ("--fakeroot", "--contain", "--ipc", "--pid", "--net", "--network", "none")
@@ -120,6 +122,15 @@ def apptainer_at_once(sif: Path) -> float:
     return time.perf_counter() - began
 
 
+def fuse_helpers() -> list[psutil.Process]:
+    """This user's running FUSE helpers of Apptainer."""
+    return [
+        process
+        for process in psutil.process_iter(["name", "uids"])
+        if process.info["name"] in FUSE_HELPERS and process.info["uids"].real == os.getuid()
+    ]
+
+
 Factory = Callable[[Path, str], BaseEnvironment]
 
 
@@ -151,16 +162,19 @@ async def measure(factory: Factory, rounds: int, execs: int) -> dict[str, list[f
     return figures
 
 
-async def at_once(factory: Factory) -> float:
-    """Seconds until AT_ONCE environments started together are all ready."""
+async def at_once(factory: Factory) -> tuple[float, int]:
+    """Seconds until AT_ONCE environments started together are all ready (or failed), and how
+    many failed to start (Harbor's server gives up on a busy node); what they left running
+    (Harbor's FUSE helpers) is killed."""
     with tempfile.TemporaryDirectory(prefix="bench-start-") as scratch:
         environments = [factory(Path(scratch) / f"trial-{i}", "bench") for i in range(AT_ONCE)]
+        before = {process.pid for process in fuse_helpers()}
         began = time.perf_counter()
-        try:
-            await asyncio.gather(*(ready(environment) for environment in environments))
-            return time.perf_counter() - began
-        finally:
-            await asyncio.gather(*(e.stop(delete=True) for e in environments))
+        outcomes = await asyncio.gather(*(ready(e) for e in environments), return_exceptions=True)
+        seconds = time.perf_counter() - began
+        await asyncio.gather(*(e.stop(delete=True) for e in environments), return_exceptions=True)
+        kill_processes([p for p in fuse_helpers() if p.pid not in before])
+        return seconds, sum(isinstance(outcome, BaseException) for outcome in outcomes)
 
 
 def nemo_gym(python: str | None, sif: Path, rounds: int, execs: int) -> dict[str, Any]:
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     alone_at_once = apptainer_at_once(sif)
     results: dict[str, dict[str, list[float]]] = {}
-    crowd: dict[str, float] = {}
+    crowd: dict[str, tuple[float, int]] = {}
     for name, factory in factories(sif).items():
         print(f"measuring {name} ...", flush=True)
         results[name] = asyncio.run(measure(factory, args.rounds, args.execs))
@@ -220,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     nemo = nemo_gym(args.nemo_python, sif, args.rounds, args.execs)
     if nemo:
         results["nemo-gym"] = nemo
-        crowd["nemo-gym"] = float(nemo["at_once"])
+        crowd["nemo-gym"] = (float(nemo["at_once"]), 0)
     base = alone["apptainer alone (true)"]
 
     print(f"\nstart, median of {args.rounds} (to the first exec's answer), ms:")
@@ -234,12 +248,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{AT_ONCE} at once, all ready, s (ratio to one start):")
     print(f"  {'apptainer alone':32}{alone_at_once:9.2f}   {alone_at_once / base:5.1f}x")
-    for name, seconds in crowd.items():
+    for name, (seconds, failed) in crowd.items():
         one = statistics.median(results[name]["start"])
-        print(f"  {name:32}{seconds:9.2f}   {seconds / one:5.1f}x")
-    print(
-        f"  goal: harbor-hpc <= 1.5x one: {'ok' if crowd['harbor-hpc'] <= 1.5 * ours else 'MISSED'}"
-    )
+        failures = f"   {failed} of {AT_ONCE} failed to start" if failed else ""
+        print(f"  {name:32}{seconds:9.2f}   {seconds / one:5.1f}x{failures}")
+    met = crowd["harbor-hpc"][0] <= 1.5 * ours and not crowd["harbor-hpc"][1]
+    print(f"  goal: harbor-hpc <= 1.5x one: {'ok' if met else 'MISSED'}")
 
     print("\nexec round trip of `true`, ms:       p50      p99     stop s")
     for name, figures in results.items():
