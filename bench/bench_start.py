@@ -59,7 +59,7 @@ BARE_TRUE = (
 NEMO_GYM = """
 import asyncio, json, sys, time
 from nemo_gym.sandbox.api import AsyncSandbox
-from nemo_gym.sandbox.config import SandboxSpec
+from nemo_gym.sandbox.providers.base import SandboxSpec
 
 async def main(sif, rounds, execs, at_once):
     out = {"start": [], "exec": [], "stop": [], "at_once": 0.0}
