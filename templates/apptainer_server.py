@@ -175,10 +175,12 @@ class Server:
     # -- the event loop ----------------------------------------------------
     def run(self):
         self.send(("H py %d\n" % os.getuid()).encode())
-        # The host goes on (connects the network, starts its watchdog) while the warm shells
-        # load and ctypes is imported: no script can start before the loop reads the channel.
-        self.prepare_warm()
+        # The host goes on (connects the network, starts its watchdog) while ctypes is imported
+        # and the warm shells load: no script can start before the loop reads the channel. The
+        # subreaper first, so that every process the server forks is under it (kernels before
+        # 4.11 do not pass it to processes forked before it).
         become_subreaper()
+        self.prepare_warm()
         while self.running or self.jobs:
             for fd, data in self.selector.select(self.next_wait()):
                 if data == "channel":
