@@ -235,12 +235,12 @@ def plan_build(
         # forkserver: forking a process that may run threads (docker's, rich's) can deadlock.
         workers = multiprocessing.get_context("forkserver")
         with ProcessPoolExecutor(
-            max_workers=jobs, mp_context=workers, initializer=_reset_worker_digests
+            max_workers=jobs, mp_context=workers, initializer=_reset_worker_hashing
         ) as pool:
             contexts = list(pool.map(_hash_in_worker, places, chunksize=chunk))
     else:
-        digests = FileDigests()
-        contexts = [_task_context(place, digests) for place in places]
+        hashing = _Hashing()
+        contexts = [_task_context(place, hashing) for place in places]
     for (task, folder, role), step in zip(roles, contexts, strict=True):
         if step.value is None:
             if role == VERIFIER:
@@ -298,14 +298,26 @@ def _compose_contexts(task: Task, plan: BuildPlan) -> list[tuple[str, Path]]:
     return contexts
 
 
-# One cache per hashing worker process, fresh for each plan: a cache outliving the files it
+@dataclass
+class _Hashing:
+    """What one plan has read so far: file digests, and what each Dockerfile text (with the
+    build args given) says (its first source outside the context, if any; the args it
+    declares), so equal Dockerfiles are read once."""
+
+    digests: FileDigests = field(default_factory=FileDigests)
+    dockerfiles: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[str | None, set[str]]] = field(
+        default_factory=dict
+    )
+
+
+# One per hashing worker process, fresh for each plan: a cache outliving the files it
 # describes could mistake a new file for an old one that had the same inode, size and mtime.
-_worker_digests = FileDigests()
+_worker_hashing = _Hashing()
 
 
-def _reset_worker_digests() -> None:
-    global _worker_digests
-    _worker_digests = FileDigests()
+def _reset_worker_hashing() -> None:
+    global _worker_hashing
+    _worker_hashing = _Hashing()
 
 
 # A place to hash: (task, context folder, every build arg given).
@@ -315,23 +327,30 @@ _Context = tuple[str, dict[str, str]]
 
 
 def _hash_in_worker(place: _Place) -> Step[_Context]:
-    return _task_context(place, _worker_digests)
+    return _task_context(place, _worker_hashing)
 
 
-def _task_context(place: _Place, digests: FileDigests) -> Step[_Context]:
+def _task_context(place: _Place, hashing: _Hashing) -> Step[_Context]:
     """A task's context hash, or why it cannot be built as its own context."""
     rel, context, build_args = place
     try:
-        dockerfile = read_dockerfile((context / DOCKERFILE).read_text(errors="replace"), build_args)
-        if dockerfile.outside:
+        text = (context / DOCKERFILE).read_text(errors="replace")
+        memo = (text, tuple(build_args.items()))
+        known = hashing.dockerfiles.get(memo)
+        if known is None:
+            dockerfile = read_dockerfile(text, build_args)
+            outside = dockerfile.outside[0] if dockerfile.outside else None
+            known = hashing.dockerfiles[memo] = (outside, set(dockerfile.args))
+        outside, declared = known
+        if outside is not None:
             folder = context.name
             return failed(
-                f"{rel}/{folder}/Dockerfile: {dockerfile.outside[0]} reaches outside the "
+                f"{rel}/{folder}/Dockerfile: {outside} reaches outside the "
                 f"build context ({folder}/), which Docker does not send; move the file into "
                 f"{folder}/"
             )
-        used = {key: value for key, value in build_args.items() if key in dockerfile.args}
-        return done((context_hash(context, digests, used), used))
+        used = {key: value for key, value in build_args.items() if key in declared}
+        return done((context_hash(context, hashing.digests, used), used))
     except OSError as exc:
         where = exc.filename or context
         return failed(f"cannot read the build context: {where}: {exc.strerror}")

@@ -190,8 +190,12 @@ class Compose:
 
 def compose_file(environment_dir: Path) -> Path | None:
     """The task's own compose file, as Harbor's Docker environment finds it."""
+    try:  # one listing, rather than a stat of each name (nearly every task has none)
+        present = set(os.listdir(environment_dir))
+    except OSError:  # no such folder, or one we may not list: ask for each name
+        present = set(COMPOSE_FILES)
     for name in COMPOSE_FILES:
-        if (environment_dir / name).is_file():
+        if name in present and (environment_dir / name).is_file():
             return environment_dir / name
     return None
 

@@ -5,7 +5,8 @@ form, `.` when the root itself is a task). The walk does not descend into a task
 context can be large) nor into hidden folders. Problems (a malformed task.toml, a missing
 Dockerfile, a folder reached twice through a symlink) are collected by path and the walk goes on.
 task.toml is read by Harbor's own `TaskConfig`, so what Harbor would refuse is a problem here too,
-named in one line by its first error.
+named in one line by its first error. Equal task.toml texts (a generated dataset's) are parsed and
+validated once per walk and share one config, which no step changes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # Harbor's models load when a task is read, not with every co
     from pydantic import ValidationError
 
 TASK_FILE = "task.toml"
+DOCKERFILE = "Dockerfile"
 # Compose files (services beside the task's own container), as Harbor's Docker environment
 # looks for them.
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
@@ -44,7 +46,7 @@ class Task:
 
     @property
     def dockerfile(self) -> Path:
-        return self.environment_dir / "Dockerfile"
+        return self.environment_dir / DOCKERFILE
 
     @property
     def task_toml(self) -> Path:
@@ -157,21 +159,33 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
             one.problems.append(task_or_problem)
         return one
     found = Discovery(root)
-    seen: dict[Path, Path] = {}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        here = Path(dirpath)
-        real = here.resolve()
+    configs: dict[str, TaskConfig | str] = {}
+    top = str(root)
+    prefix = top if top.endswith(os.sep) else top + os.sep
+    # Each folder's real path, built from its parent's: a folder that is no symlink is its
+    # parent's real path and its name (one lstat, where resolving it anew walks every part).
+    reals: dict[str, str] = {top: os.path.realpath(top)}
+    seen: dict[str, Path] = {}
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        real = reals.pop(dirpath, None)
+        if real is None or os.path.islink(dirpath):
+            real = os.path.realpath(dirpath)
         if real in seen:
             if TASK_FILE in filenames:
-                found.problems.append(TaskProblem(here, f"duplicate of {seen[real]} (symlink)"))
+                found.problems.append(
+                    TaskProblem(Path(dirpath), f"duplicate of {seen[real]} (symlink)")
+                )
             dirnames.clear()
             continue
+        here = Path(dirpath)
         seen[real] = here
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         if TASK_FILE not in filenames:
+            reals.update((os.path.join(dirpath, d), os.path.join(real, d)) for d in dirnames)
             continue
         dirnames.clear()
-        task_or_problem = load_task(root, here, require_dockerfile=require_dockerfile)
+        rel = dirpath[len(prefix) :] if dirpath != top else "."
+        task_or_problem = _load(root, here, rel, configs, require_dockerfile=require_dockerfile)
         if isinstance(task_or_problem, Task):
             found.tasks.append(task_or_problem)
         else:
@@ -181,25 +195,51 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
 
 
 def load_task(root: Path, path: Path, *, require_dockerfile: bool = True) -> Task | TaskProblem:
-    from harbor.models.task.config import TaskConfig
-    from pydantic import ValidationError
+    rel = path.relative_to(root).as_posix() if path != root else "."
+    return _load(root, path, rel, {}, require_dockerfile=require_dockerfile)
 
+
+def _load(
+    root: Path,
+    path: Path,
+    rel: str,
+    configs: dict[str, TaskConfig | str],
+    *,
+    require_dockerfile: bool,
+) -> Task | TaskProblem:
+    """The task at `path`; `configs` holds what each task.toml text read so far became (its
+    config, or why Harbor refuses it), so equal files are parsed and validated once."""
     toml_path = path / TASK_FILE
     try:
-        data = tomllib.loads(toml_path.read_text())
-        with warnings.catch_warnings(action="ignore", category=DeprecationWarning):
-            config = TaskConfig.model_validate(data)  # Harbor warns of what it migrates
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        text = toml_path.read_text()
+    except UnicodeDecodeError as exc:
         return TaskProblem(toml_path, f"not valid TOML ({exc})")
     except OSError as exc:
         return TaskProblem(toml_path, f"cannot read ({exc.strerror})")
-    except ValidationError as exc:
-        return TaskProblem(toml_path, _first_error(exc))
-    rel = path.relative_to(root).as_posix() if path != root else "."
+    config = configs.get(text)
+    if config is None:
+        config = configs[text] = _config(text)
+    if isinstance(config, str):
+        return TaskProblem(toml_path, config)
     task = Task(root=root, path=path, rel=rel, config=config)
-    if require_dockerfile and not task.dockerfile.is_file():
+    if require_dockerfile and not os.path.isfile(os.path.join(path, "environment", DOCKERFILE)):
         return TaskProblem(path, "no environment/Dockerfile")
     return task
+
+
+def _config(text: str) -> TaskConfig | str:
+    """task.toml's text as Harbor's `TaskConfig`, or why Harbor would refuse it."""
+    from harbor.models.task.config import TaskConfig
+    from pydantic import ValidationError
+
+    try:
+        data = tomllib.loads(text)
+        with warnings.catch_warnings(action="ignore", category=DeprecationWarning):
+            return TaskConfig.model_validate(data)  # Harbor warns of what it migrates
+    except tomllib.TOMLDecodeError as exc:
+        return f"not valid TOML ({exc})"
+    except ValidationError as exc:
+        return _first_error(exc)
 
 
 def _first_error(exc: ValidationError) -> str:

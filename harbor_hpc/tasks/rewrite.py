@@ -121,6 +121,9 @@ def rewrite_tasks(
         else:
             edits.append((task, target.value, verifier_image, services.value))
 
+    # (task.toml, image, verifier image) -> the edited task.toml: equal files are edited once.
+    edited: dict[tuple[str, str, str | None], str] = {}
+
     def edit(item: tuple[Task, str, str | None, dict[str, str]]) -> _Edit | TaskProblem:
         task, target, verifier, services = item
         where = task.task_toml
@@ -128,9 +131,14 @@ def rewrite_tasks(
             # A symlink's target is what changes: the link stays, pointing at the edited file.
             path = where.resolve(strict=True)
             old = path.read_bytes().decode()  # bytes as they are: no newline translation
-            new = set_docker_image(old, target)
-            if verifier is not None and verifier != task.verifier_docker_image:
-                new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
+            if verifier == task.verifier_docker_image:
+                verifier = None
+            new = edited.get((old, target, verifier))
+            if new is None:
+                new = set_docker_image(old, target)
+                if verifier is not None:
+                    new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
+                edited[(old, target, verifier)] = new
             files = [(path, old, new)]
             compose = compose_file(task.environment_dir)
             if services and compose is not None:

@@ -81,3 +81,32 @@ def test_harbor_migrations_apply(tmp_path: Path) -> None:
         f"{tmp_path}/clash/task.toml: environment: Value error, Conflicting 'memory' and "
         "'memory_mb' values: memory='1G' (1024 MB) != memory_mb=512."
     )
+
+
+def test_equal_task_tomls_are_each_a_task_or_each_a_problem(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        make_task(tmp_path / "good" / name, "[environment]\nmemory_mb = 512\n")
+        make_task(tmp_path / "bad" / name, "[environment]\nmemory_mb = 'lots'\n")
+
+    found = discover_tasks(tmp_path)
+
+    assert [(t.rel, t.memory_mb) for t in found.tasks] == [("good/a", 512), ("good/b", 512)]
+    assert [p.path.relative_to(tmp_path).as_posix() for p in found.problems] == [
+        "bad/a/task.toml",
+        "bad/b/task.toml",
+    ]
+    assert found.problems[0].message == found.problems[1].message
+
+
+def test_a_folder_reached_again_through_a_deeper_symlink_is_a_duplicate(tmp_path: Path) -> None:
+    make_task(tmp_path / "set" / "one")
+    make_task(tmp_path / "elsewhere" / "two")
+    (tmp_path / "set" / "again").symlink_to(tmp_path / "set" / "one")
+    (tmp_path / "set" / "outside").symlink_to(tmp_path / "elsewhere" / "two")
+
+    found = discover_tasks(tmp_path / "set")
+
+    assert [t.rel for t in found.tasks] == ["again", "outside"]  # walked in sorted order
+    (problem,) = found.problems
+    assert problem.path == tmp_path / "set" / "one"
+    assert problem.message == f"duplicate of {tmp_path / 'set' / 'again'} (symlink)"
