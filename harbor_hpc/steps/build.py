@@ -62,6 +62,11 @@ class BuildRequest:
         "array_parallelism",
     )
 
+    @property
+    def store(self) -> Path:
+        """The .sif store Apptainer builds go into."""
+        return self.cache_dir or default_cache_dir()
+
 
 def choose(request: BuildRequest) -> tuple[BuilderKind, str]:
     """The builder `request` takes and why: `--slurm` builds with Apptainer on the nodes,
@@ -128,7 +133,7 @@ def run(
         backend = DockerBuilder(plan_, push=request.push, nohttps=bool(request.nohttps))
     elif request.slurm is not None:
         slurm_builder = SlurmBuilder(
-            request.cache_dir or default_cache_dir(),
+            request.store,
             request.manifest,
             request.slurm,
             build_args=plan_.build_args,
@@ -143,7 +148,7 @@ def run(
         )
     else:
         backend = ApptainerBuilder(
-            request.cache_dir or default_cache_dir(),
+            request.store,
             build_args=plan_.build_args,
             nohttps=request.nohttps,
             scratch=request.scratch_dir,
