@@ -361,7 +361,7 @@ part_slurm() {
   # slurm.conf from the template
   SLURM_HOST=$(hostname -s)
   local cpus mem_mb real_mem defmem tmp changed=0
-  cpus=$(nproc)
+  cpus=$(($(nproc) * 4)) # four a processor: see slurm.conf.in
   mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 }' /proc/meminfo)
   real_mem=$((mem_mb * 90 / 100)) # below what slurmd measures, or it drains the node
   defmem=$((real_mem / cpus))

@@ -14,6 +14,7 @@ works is asked of `harbor_hpc.steps.doctor`, the same probes users see in `harbo
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import shutil
@@ -142,6 +143,29 @@ def _registry_missing() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Which tests run on one worker, one after another (pytest-xdist's `--dist loadgroup`):
+    the multi-node cluster's, which crash its nodes and count this user's jobs and processes on
+    them; and a module's tests that share a fixture of the module's (made once). The rest go to
+    whichever worker is free. Longest first: the multi-node chain, the groups, the other
+    integration tests, then the unit tests, which fill the gaps at the end."""
+    order = {}
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs.values() if fixtures else ()
+        if item.get_closest_marker("multinode"):
+            item.add_marker(pytest.mark.xdist_group("multinode"))
+            order[item.nodeid] = 0
+        elif any(definition[-1].scope == "module" for definition in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            order[item.nodeid] = 1
+        else:
+            integration = any(item.get_closest_marker(part) for part in PARTS)
+            order[item.nodeid] = 2 if integration else 3
+    items.sort(key=lambda item: order[item.nodeid])
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     required = os.environ.get("HARBOR_HPC_REQUIRE_INTEGRATION") == "1"
     for part in PARTS:
@@ -158,31 +182,62 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # -- images ----------------------------------------------------------------------------
 
 
+# Tests run side by side in several processes (pytest-xdist's workers, tests/README.md): what
+# is slow to make is made once per run, in a folder every worker of the run shares, which the
+# first process (the only one without xdist) makes and removes.
+RUN_FOLDER = "HARBOR_HPC_TEST_RUN_FOLDER"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # xdist's workers inherit it
+        folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-test-run-"))
+        folder.chmod(0o755)
+        os.environ[RUN_FOLDER] = str(folder)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and RUN_FOLDER in os.environ:
+        shutil.rmtree(os.environ.pop(RUN_FOLDER), ignore_errors=True)
+
+
 @cache
 def _shared_folder() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-test-"))
+    folder = Path(tempfile.mkdtemp(prefix="shared-", dir=os.environ[RUN_FOLDER]))
     folder.chmod(0o755)
     return folder
 
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
-    """A world-readable scratch folder (pytest's own is private), for what the other local
-    user must be able to run too. Removed at the end of the session."""
+    """A world-readable scratch folder of this process's (pytest's own is private), for what
+    the other local user must be able to run too. Removed at the end of the run."""
     return _shared_folder()
 
 
 # Two images take 10-15 s of CPU each to build (the base image's .sif, and a published task's
 # image for tests/e2e/test_docker_fidelity.py), while most tests mostly wait (on timeouts,
-# subprocesses, Slurm). Each is built in the background from the moment the session knows
-# that a selected test needs it, in the order the tests need them, at the lowest CPU priority:
-# the tests running meanwhile keep the processors they use.
+# subprocesses, Slurm). Each is built once per run, in the background from the moment a
+# worker knows that a selected test needs it, in the order the tests need them, at the lowest
+# CPU priority: the tests running meanwhile keep the processors they use. The first worker to
+# need one builds it; the others wait for it.
 _AHEAD: dict[str, Callable[..., Path]] = {
     "debian_sif": build_debian_sif,
     "fidelity_sif": build_fidelity_sif,
 }
 _builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="images-ahead")
 _built: dict[str, Future[Path]] = {}
+
+
+def _build_once(name: str, env: dict[str, str], *, background: bool) -> Path:
+    """Image `name` of _AHEAD in the run's folder, built by the first process that asks."""
+    folder = Path(env[RUN_FOLDER])
+    sif = folder / f"{name}.sif"
+    with (folder / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not sif.exists():
+            partial = _AHEAD[name](folder / f"{name}.partial.sif", env, background=background)
+            partial.rename(sif)
+    return sif
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -193,20 +248,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if wanted and missing("apptainer") is None and missing("docker") is None:
         env = dict(os.environ)  # as it is now: tests change os.environ while the builds run
         for name in wanted:
-            _built[name] = _builder.submit(_AHEAD[name], _shared_folder(), env, background=True)
+            _built[name] = _builder.submit(_build_once, name, env, background=True)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _builder.shutdown(wait=True, cancel_futures=True)
-    if _shared_folder.cache_info().currsize:
-        shutil.rmtree(_shared_folder(), ignore_errors=True)
 
 
 def built_ahead(name: str) -> Path:
-    """The image `name` of _AHEAD, built ahead; or now, when the session did not start it."""
-    if name in _built:
-        return _built[name].result()
-    return _AHEAD[name](_shared_folder(), os.environ, background=False)
+    """The image `name` of _AHEAD, built ahead (or now, when the session did not start it), as
+    a file of this process's own: a hard link to the run's, so that what runs it is told apart
+    from what the other workers run (tests/support/processes.py)."""
+    built = (
+        _built[name].result()
+        if name in _built
+        else _build_once(name, dict(os.environ), background=False)
+    )
+    own = _shared_folder() / f"{name}.sif"
+    if not own.exists():
+        os.link(built, own)
+    return own
 
 
 @pytest.fixture(scope="session")

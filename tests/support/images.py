@@ -74,15 +74,15 @@ def build_sif(
     return sif
 
 
-def build_debian_sif(folder: Path, env: Mapping[str, str], *, background: bool) -> Path:
-    """The test base image (python3 included) as a .sif."""
+def build_debian_sif(sif: Path, env: Mapping[str, str], *, background: bool) -> Path:
+    """The test base image (python3 included) as the .sif `sif`."""
     image = env.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
-    return build_sif(folder / "debian.sif", image, env=env, background=background)
+    return build_sif(sif, image, env=env, background=background)
 
 
-def build_fidelity_sif(folder: Path, env: Mapping[str, str], *, background: bool) -> Path:
-    """A published task's image (FIDELITY_DOCKERFILE), built by Docker and turned into a .sif
-    as `harbor-hpc convert` does. Kept in Docker under a fixed tag: later sessions find it."""
+def build_fidelity_sif(sif: Path, env: Mapping[str, str], *, background: bool) -> Path:
+    """A published task's image (FIDELITY_DOCKERFILE), built by Docker and turned into the .sif
+    `sif` as `harbor-hpc convert` does. Kept in Docker under a fixed tag: later sessions find it."""
     import docker
 
     client = docker.from_env()
@@ -92,7 +92,7 @@ def build_fidelity_sif(folder: Path, env: Mapping[str, str], *, background: bool
         client.images.build(fileobj=io.BytesIO(dockerfile), tag=FIDELITY_TAG, rm=True)
     finally:
         client.close()
-    return build_sif(folder / "fidelity.sif", FIDELITY_TAG, env=env, background=background)
+    return build_sif(sif, FIDELITY_TAG, env=env, background=background)
 
 
 # Stands in for `apptainer`: logs each call's verb, can slow a pull down before or after the

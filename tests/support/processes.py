@@ -1,4 +1,10 @@
-"""What the user's containers left running: the tests' check that a stop stops everything."""
+"""What the user's containers left running: the tests' check that a stop stops everything.
+
+Tests run side by side (pytest-xdist), so the user's other containers may be running while one
+test checks that its own left nothing: a container is told apart by its image. Apptainer's FUSE
+mounts of an image (its root, the overlay on it) name it by a descriptor (/proc/self/fd/N), not
+by its path, but hold it open; they run in the container's user namespace, beside its starter.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +17,58 @@ import psutil
 
 from harbor_hpc.apptainer.runtime import FUSE_HELPERS
 
-# Apptainer's FUSE mounts of an image (its root, the overlay on it): their command lines name
-# the image by a descriptor (/proc/self/fd/N), not by its path.
+# Apptainer's process that starts a container and stays its parent (and its FUSE helpers').
+STARTER = "starter"
 
 
 def container_processes(sif: Path) -> list[str]:
-    """This user's processes of containers of `sif`, and any FUSE helper of Apptainer's, as
-    "PID: command line"."""
+    """This user's processes of containers of `sif` (naming it or holding it open, and every
+    process in their user namespaces), and any FUSE helper of Apptainer's that no starter
+    holds (a container's mount left behind), as "PID: command line"."""
+    own_namespace = _user_namespace(os.getpid())
+    mine = [
+        process
+        for process in psutil.process_iter(["cmdline", "name", "uids", "ppid"])
+        if process.info["uids"] and process.info["uids"].real == os.getuid()
+    ]
+    of_sif = {process.pid for process in mine if _names(process, str(sif))}
+    namespaces = {_user_namespace(pid) for pid in of_sif} - {None, own_namespace}
+    names = {process.pid: process.info["name"] for process in mine}
     found = []
-    for process in psutil.process_iter(["cmdline", "name", "uids"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if process.info["uids"].real == os.getuid() and (
-            str(sif) in cmdline or process.info["name"] in FUSE_HELPERS
-        ):
-            found.append(f"{process.pid}: {cmdline}")
+    for process in mine:
+        namespace = _user_namespace(process.pid)
+        orphan_mount = (
+            process.info["name"] in FUSE_HELPERS
+            and names.get(process.info["ppid"]) != STARTER
+            and namespace != own_namespace  # not a test's own FUSE mount (small_disk.py)
+        )
+        if process.pid in of_sif or orphan_mount or namespace in namespaces:
+            found.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])}")
     return found
+
+
+def _names(process: psutil.Process, path: str) -> bool:
+    """Whether `process`'s command line names `path`, or it holds `path` open."""
+    if path in " ".join(process.info["cmdline"] or []):
+        return True
+    try:
+        descriptors = os.listdir(f"/proc/{process.pid}/fd")
+    except OSError:
+        return False
+    for descriptor in descriptors:
+        try:
+            if os.readlink(f"/proc/{process.pid}/fd/{descriptor}") == path:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _user_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/user")
+    except OSError:
+        return None
 
 
 def gone_within(seconds: float, still: Callable[[], list[str]]) -> list[str]:
