@@ -65,7 +65,7 @@ def build_sif(
 
     mksquashfs's default (gzip at its highest level) is most of a conversion's time; images the
     tests make for themselves are squashed with lz4 instead, which halves the build and which
-    squashfuse reads as well. Conversions the tests are about keep Apptainer's defaults.
+    squashfuse reads as well. Conversions the tests are about compress as the store does.
     """
     build = [find_apptainer(), "build", "-F", FAST_SQUASH, str(sif), f"docker-daemon://{image}"]
     built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
