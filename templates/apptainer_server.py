@@ -138,10 +138,10 @@ class Server:
             os.close(fd)
         return pid, out_r, err_r
 
-    def prepare_warm(self):
+    def prepare_warm(self, count=WARM_SHELLS):
         if SHELL != "/bin/bash":
             return
-        while len(self.warm) < WARM_SHELLS:
+        while len(self.warm) < count:
             ctl_r, ctl_w = os.pipe()
             pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
             self.warm.append((pid, out_r, err_r, ctl_w))
@@ -186,7 +186,9 @@ class Server:
         # subreaper first, so that every process the server forks is under it (kernels before
         # 4.11 do not pass it to processes forked before it).
         become_subreaper()
-        self.prepare_warm()
+        # One before the first script: a second one loading beside it would slow it down, and
+        # every container a node starts at once. The loop makes the second once a script came.
+        self.prepare_warm(1)
         while self.running or self.jobs:
             for fd, data in self.selector.select(self.next_wait()):
                 if data == "channel":
