@@ -86,10 +86,19 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None)
     parser.add_argument("--base", default=os.environ.get("HARBOR_HPC_TEST_BASE_IMAGE"))
     parser.add_argument("--wheels", type=Path, default=os.environ.get("HARBOR_HPC_TEST_WHEELS"))
+    parser.add_argument(
+        "--sif",
+        type=Path,
+        default=None,
+        help="a .sif of this image made before (a user without Docker cannot build it)",
+    )
 
 
 def server_sif(args: argparse.Namespace) -> Path | None:
-    """Build the image both environments can run and its .sif; None (said why) without inputs."""
+    """Build the image both environments can run and its .sif (or take `--sif`); None (said
+    why) without inputs."""
+    if args.sif is not None:
+        return Path(args.sif)
     if not args.base or not args.wheels:
         print("set HARBOR_HPC_TEST_BASE_IMAGE and HARBOR_HPC_TEST_WHEELS (or --base/--wheels)")
         return None

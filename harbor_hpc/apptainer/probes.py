@@ -30,8 +30,10 @@ from harbor_hpc.apptainer.runtime import (
     FAKEROOT,
     FAKEROOT_HINT,
     PROBE_TIMEOUT_S,
+    SQUASHFS_COMPRESSION,
     find_apptainer,
     first_that_runs,
+    squashfs_options,
     task_container_command,
 )
 from harbor_hpc.core.errors import HarborHpcError
@@ -369,8 +371,10 @@ def task_container_finding(image: Path) -> Finding:
 
 @contextmanager
 def probe_image(binary: str, cache_dir: Path) -> Iterator[Path]:
-    """A tiny SIF (a shell and its libraries), built once into the cache, else a temp folder."""
-    cached = cache_dir / ".doctor" / f"probe-{platform.machine()}.sif"
+    """A tiny SIF (a shell and its libraries), built once into the cache, else a temp folder;
+    compressed as the store's images are, so that the probes run what tasks will run."""
+    compression = f"-{SQUASHFS_COMPRESSION}" if squashfs_options() else ""
+    cached = cache_dir / ".doctor" / f"probe-{platform.machine()}{compression}.sif"
     if not cached.is_file():
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -394,7 +398,8 @@ def _build_probe_image(binary: str, target: Path) -> None:
         _make_rootfs(rootfs)
         partial = Path(scratch) / "probe.sif"
         built = run(
-            [binary, "build", "--force", str(partial), str(rootfs)], timeout=BUILD_TIMEOUT_S
+            [binary, "build", "--force", *squashfs_options(), str(partial), str(rootfs)],
+            timeout=BUILD_TIMEOUT_S,
         )
         if not built.ok:
             raise HarborHpcError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
 from functools import cache
@@ -110,6 +111,33 @@ def try_exec(sif: Path, flags: Sequence[str], script: str = "true") -> Ran:
         [find_apptainer(), "exec", *flags, str(sif), "/bin/sh", "-c", script],
         timeout=PROBE_TIMEOUT_S,
     )
+
+
+# How a .sif's squashfs is compressed. Through squashfuse (every unprivileged container reads
+# its image so), zstd reads back far faster than mksquashfs's default gzip: a container's
+# python3 starts in about half the time (issue 28), and the file is smaller too. Apptainer's own
+# packages build their squashfuse with zstd; images made before keep working as they are.
+SQUASHFS_COMPRESSION = "zstd"
+
+
+@cache
+def squashfs_options() -> tuple[str, ...]:
+    """`apptainer build` options for the .sif's compression: SQUASHFS_COMPRESSION where this
+    node's mksquashfs has it (tried on an empty folder), else none (mksquashfs's gzip)."""
+    mksquashfs = shutil.which("mksquashfs")
+    if mksquashfs is None:
+        return ()
+    with tempfile.TemporaryDirectory(prefix="harbor-hpc-mksquashfs-") as scratch:
+        empty = Path(scratch) / "empty"
+        empty.mkdir()
+        probe = f"{scratch}/probe.sqfs"
+        tried = run(
+            [mksquashfs, str(empty), probe, "-comp", SQUASHFS_COMPRESSION, "-no-progress"],
+            timeout=PROBE_TIMEOUT_S,
+        )
+    if not tried.ok:
+        return ()
+    return ("--mksquashfs-args", f"-comp {SQUASHFS_COMPRESSION}")
 
 
 # Harbor's default: the host's home, /tmp and admin bind paths stay out of the container.

@@ -3,6 +3,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -15,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.runtime import find_apptainer, run_flags
+from harbor_hpc.apptainer.runtime import (
+    SQUASHFS_COMPRESSION,
+    find_apptainer,
+    run_flags,
+    squashfs_options,
+)
 from harbor_hpc.apptainer.store import (
     checked_sif,
     ensure_sif,
@@ -26,7 +32,7 @@ from harbor_hpc.apptainer.store import (
     verify,
 )
 from harbor_hpc.core.errors import HarborHpcError, InputError
-from tests.support.images import Recorder, TinyImage, damage
+from tests.support.images import Recorder, TinyImage, damage, squashfs_compression
 from tests.support.users import lab_group, other_user_command
 
 DIGEST = "sha256:" + "ab" * 32
@@ -83,6 +89,18 @@ def test_a_sif_path_is_returned_as_is(tmp_path: Path) -> None:
         ensure_sif(str(tmp_path / "missing.sif"), tmp_path / "store")
 
 
+def test_images_are_compressed_as_this_mksquashfs_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    squashfs_options.cache_clear()
+    try:
+        if shutil.which("mksquashfs"):
+            assert squashfs_options() == ("--mksquashfs-args", f"-comp {SQUASHFS_COMPRESSION}")
+        squashfs_options.cache_clear()
+        monkeypatch.setenv("PATH", "/nonexistent")
+        assert squashfs_options() == ()  # mksquashfs's default, which Apptainer then finds
+    finally:
+        squashfs_options.cache_clear()
+
+
 def test_unknown_source_scheme_is_an_input_error(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="unsupported image source"):
         ensure_sif("oras://reg.io/x:1", tmp_path)
@@ -127,7 +145,7 @@ def test_checked_image_is_used_without_running_apptainer(
         assert not is_ready(sif)
         with pytest.raises(HarborHpcError):
             ensure_sif(source, tmp_path)  # nowhere.invalid cannot be pulled
-        assert "pull" in recorder.calls()
+        assert "build" in recorder.calls()
         assert debris(tmp_path) == []
     finally:
         find_apptainer.cache_clear()
@@ -139,11 +157,14 @@ def test_checked_image_is_used_without_running_apptainer(
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
-def test_pull_from_open_registry_with_nohttps(tiny_image: TinyImage, tiny_sif: Path) -> None:
+def test_conversion_from_open_registry_with_nohttps(tiny_image: TinyImage, tiny_sif: Path) -> None:
     digest = tiny_image.open_ref.rsplit("@", 1)[1]
     assert tiny_sif.name == digest.replace(":", "-") + ".sif"
     assert is_ready(tiny_sif)
     assert run_flags(tiny_sif) is not None  # it runs: `exec ... /bin/sh -c true`
+    assert squashfs_compression(tiny_sif) == (
+        SQUASHFS_COMPRESSION if squashfs_options() else "gzip"
+    )
     assert debris(tiny_sif.parent) == []
     marker = json.loads((tiny_sif.parent / f".{tiny_sif.stem}.ok").read_text())
     assert marker["source"] == tiny_image.open_ref
@@ -213,7 +234,7 @@ def test_concurrent_converters_make_one_good_sif(
     tiny_image: TinyImage, tmp_path: Path, recorder: Recorder
 ) -> None:
     store = tmp_path / "store"
-    # The pull is slowed so that all three surely overlap.
+    # The build is slowed so that all three surely overlap.
     converters = [
         start_converter(tiny_image.open_ref, store, recorder, PULL_DELAY_BEFORE="2")
         for _ in range(3)
@@ -223,7 +244,7 @@ def test_concurrent_converters_make_one_good_sif(
     paths = {out.strip() for out, _ in outputs}
     assert len(paths) == 1
     sif = Path(paths.pop())
-    assert recorder.calls().count("pull") == 1
+    assert recorder.calls().count("build") == 1
     assert finished_looking(store) == [sif.name]
     assert debris(store) == []
     assert is_ready(sif) and run_flags(sif) is not None
@@ -236,7 +257,7 @@ def test_killed_converter_leaves_nothing_that_looks_finished(
     tiny_image: TinyImage, tmp_path: Path, recorder: Recorder
 ) -> None:
     store = tmp_path / "store"
-    # The pull finishes, then the converter is killed before it checks and renames the image:
+    # The build finishes, then the converter is killed before it checks and renames the image:
     # the worst moment, a complete-looking file on disk.
     converter = start_converter(tiny_image.open_ref, store, recorder, PULL_DELAY_AFTER="60")
     try:
@@ -278,13 +299,13 @@ def test_a_damaged_sif_is_converted_again_before_it_is_used(
     store = tmp_path / "store"
     try:
         sif = ensure_sif(tiny_image.open_ref, store, nohttps=True)
-        assert recorder.calls().count("pull") == 1
+        assert recorder.calls().count("build") == 1
 
         damage(sif)
         assert is_ready(sif)  # size and mtime as recorded
         assert not verify(sif)  # what `convert --verify` asks: the content is not
         assert ensure_sif(tiny_image.open_ref, store, nohttps=True) == sif
-        assert recorder.calls().count("pull") == 2
+        assert recorder.calls().count("build") == 2
         assert verify(sif)
 
         # Damaged again, then used by path (as `rewrite --sif` writes it) on a node that never
@@ -294,9 +315,9 @@ def test_a_damaged_sif_is_converted_again_before_it_is_used(
         other_node.mkdir()
         monkeypatch.setattr(tempfile, "tempdir", str(other_node))
         assert checked_sif(sif, nohttps=True) == sif
-        assert recorder.calls().count("pull") == 3
+        assert recorder.calls().count("build") == 3
         assert checked_sif(sif, nohttps=True) == sif  # now verified on this node: not hashed
-        assert recorder.calls().count("pull") == 3 and verify(sif)
+        assert recorder.calls().count("build") == 3 and verify(sif)
 
         own = tmp_path / "own.sif"  # a .sif the user made: no record, used as it is
         own.write_bytes(b"not from the store")

@@ -65,7 +65,7 @@ def build_sif(
 
     mksquashfs's default (gzip at its highest level) is most of a conversion's time; images the
     tests make for themselves are squashed with lz4 instead, which halves the build and which
-    squashfuse reads as well. Conversions the tests are about keep Apptainer's defaults.
+    squashfuse reads as well. Conversions the tests are about compress as the store does.
     """
     build = [find_apptainer(), "build", "-F", FAST_SQUASH, str(sif), f"docker-daemon://{image}"]
     built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
@@ -95,12 +95,12 @@ def build_fidelity_sif(sif: Path, env: Mapping[str, str], *, background: bool) -
     return build_sif(sif, FIDELITY_TAG, env=env, background=background)
 
 
-# Stands in for `apptainer`: logs each call's verb, can slow a pull down before or after the
+# Stands in for `apptainer`: logs each call's verb, can slow a build down before or after the
 # real one (to overlap concurrent converters, or to kill one mid-way), then runs the real binary.
 RECORDER = """\
 #!/bin/sh
 echo "$1" >> {log}
-if [ "$1" = pull ] || [ "$1" = build ]; then
+if [ "$1" = build ]; then
     sleep "${{PULL_DELAY_BEFORE:-0}}"
     {real} "$@"
     status=$?
@@ -148,3 +148,15 @@ def damage(sif: Path) -> None:
         handle.seek(before.st_size // 2)
         handle.write(bytes([byte[0] ^ 0xFF]))
     os.utime(sif, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+# The compressor ids of a squashfs superblock.
+SQUASHFS_COMPRESSORS = {1: "gzip", 2: "lzma", 3: "lzo", 4: "xz", 5: "lz4", 6: "zstd"}
+
+
+def squashfs_compression(sif: Path) -> str:
+    """How the squashfs in `sif` is compressed, as its superblock says."""
+    with sif.open("rb") as handle:
+        head = handle.read(1 << 20)
+    start = head.index(b"hsqs")
+    return SQUASHFS_COMPRESSORS[int.from_bytes(head[start + 20 : start + 22], "little")]
