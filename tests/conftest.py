@@ -143,27 +143,35 @@ def _registry_missing() -> str | None:
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Which tests run on one worker, one after another (pytest-xdist's `--dist loadgroup`):
-    the multi-node cluster's, which crash its nodes and count this user's jobs and processes on
+    """Which tests run on one worker, one after another (tests/support/scheduling.py): the
+    multi-node cluster's, which crash its nodes and count this user's jobs and processes on
     them; and a module's tests that share a fixture of the module's (made once). The rest go to
     whichever worker is free. Longest first: the multi-node chain, the groups, the other
     integration tests, then the unit tests, which fill the gaps at the end."""
-    order = {}
+    groups, order = {}, {}
     for item in items:
         fixtures = getattr(item, "_fixtureinfo", None)
         defs = fixtures.name2fixturedefs.values() if fixtures else ()
         if item.get_closest_marker("multinode"):
-            item.add_marker(pytest.mark.xdist_group("multinode"))
-            order[item.nodeid] = 0
+            groups[item.nodeid], order[item.nodeid] = "multinode", 0
         elif any(definition[-1].scope == "module" for definition in defs):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-            order[item.nodeid] = 1
+            groups[item.nodeid], order[item.nodeid] = item.nodeid.split("::")[0], 1
         else:
             integration = any(item.get_closest_marker(part) for part in PARTS)
             order[item.nodeid] = 2 if integration else 3
     items.sort(key=lambda item: order[item.nodeid])
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        from tests.support.scheduling import write_groups
+
+        write_groups(Path(os.environ[RUN_FOLDER]), groups)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from tests.support.scheduling import GroupScheduling
+
+    return GroupScheduling(config, log, folder=Path(os.environ[RUN_FOLDER]))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

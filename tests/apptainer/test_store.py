@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.apptainer.runtime import (
+    SQUASHFS_ARGS,
     SQUASHFS_COMPRESSION,
     find_apptainer,
     run_flags,
@@ -93,7 +94,7 @@ def test_images_are_compressed_as_this_mksquashfs_can(monkeypatch: pytest.Monkey
     squashfs_options.cache_clear()
     try:
         if shutil.which("mksquashfs"):
-            assert squashfs_options() == ("--mksquashfs-args", f"-comp {SQUASHFS_COMPRESSION}")
+            assert squashfs_options() == ("--mksquashfs-args", " ".join(SQUASHFS_ARGS))
         squashfs_options.cache_clear()
         monkeypatch.setenv("PATH", "/nonexistent")
         assert squashfs_options() == ()  # mksquashfs's default, which Apptainer then finds

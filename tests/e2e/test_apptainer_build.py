@@ -27,7 +27,6 @@ from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.apptainer.sif import image_config
 from harbor_hpc.apptainer.store import is_ready
 from harbor_hpc.tasks.manifest import load_manifest
-from tests.support.images import FAST_SQUASH
 from tests.support.sample_tasks import make_task
 from tests.tasks.test_manifest_schema import validate as validate_manifest
 
@@ -103,12 +102,10 @@ def make_suite(root: Path, base: str, token: str, names: Collection[str] | None 
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`harbor-hpc ARGS`; its images squashed with lz4 rather than mksquashfs's slow default
-    (Apptainer reads APPTAINER_MKSQUASHFS_ARGS, here and in Slurm jobs, which inherit it), as
-    for every image the tests make for themselves (tests/support/images.py)."""
+    """`harbor-hpc ARGS`."""
     return subprocess.run(
         [sys.executable, "-m", "harbor_hpc", *args],
-        env={**env, "APPTAINER_MKSQUASHFS_ARGS": FAST_SQUASH.split("=", 1)[1]},
+        env=env,
         capture_output=True,
         text=True,
         timeout=1800,

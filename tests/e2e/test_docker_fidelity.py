@@ -5,7 +5,7 @@ that sees the whole container.
 
 The image (`fidelity_sif`, tests/support/images.py) is built by Docker from a Dockerfile as a
 published task would have it, and turned into a .sif by `apptainer build docker-daemon://`, as
-`harbor-hpc convert` does (squashed with lz4, as every image the tests make for themselves).
+`harbor-hpc convert` does.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.runtime import find_apptainer, squashfs_options
 from harbor_hpc.core.proc import run
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
@@ -54,20 +54,14 @@ ENTRYPOINT ["/bin/sh", "-c", \
 """
 FIDELITY_TAG = "harbor-hpc-test/fidelity:bookworm"
 
-FAST_SQUASH = "--mksquashfs-args=-comp lz4"
-
 
 def build_sif(
     sif: Path, image: str, *, env: Mapping[str, str] | None = None, background: bool = False
 ) -> Path:
-    """`apptainer build` of the local Docker `image` into `sif`, readable by every local user;
-    in the `background`, at the lowest CPU priority.
-
-    mksquashfs's default (gzip at its highest level) is most of a conversion's time; images the
-    tests make for themselves are squashed with lz4 instead, which halves the build and which
-    squashfuse reads as well. Conversions the tests are about compress as the store does.
-    """
-    build = [find_apptainer(), "build", "-F", FAST_SQUASH, str(sif), f"docker-daemon://{image}"]
+    """`apptainer build` of the local Docker `image` into `sif`, compressed as the store's images
+    are, readable by every local user; in the `background`, at the lowest CPU priority."""
+    build = [find_apptainer(), "build", "-F", *squashfs_options(), str(sif)]
+    build.append(f"docker-daemon://{image}")
     built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
     assert built.ok, f"apptainer build of {image}: {built.why()}"
     sif.chmod(0o755)
