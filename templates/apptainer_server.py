@@ -391,18 +391,11 @@ def become_subreaper():
     """Orphans of the scripts (daemons that double-fork) become our children rather than
     leaving the container's process tree, where the host's memory watchdog and stop look."""
     try:
-        # ctypes's C part alone: ctypes/__init__.py and what it imports cost some 6 ms more
-        # through the image's FUSE mounts, before the first warm shell can be forked.
-        import _ctypes
+        import ctypes
 
-        class Libc:
-            _handle = _ctypes.dlopen(None)
-
-        class Function(_ctypes.CFuncPtr):
-            _flags_ = _ctypes.FUNCFLAG_CDECL  # returns an int, takes ints
-
-        Function(("prctl", Libc()))(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError, ImportError, TypeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError, ImportError):
         pass
 
 

@@ -219,6 +219,9 @@ def test_tasks_asking_for_different_memory_run_in_arrays_sized_for_each(
     }
 
     # A resubmit's jobs get the variable from no submit (it imports no agent): the worker sets it.
+    # (Once their jobs have left the queue: --wait is done when the trials are, a job may stay a
+    # moment after, and resubmit leaves a live job's attempt alone.)
+    wait_for_jobs(submitted["job_ids"], time.monotonic() + 60)
     victim = statuses["small"]["trial"]
     shutil.rmtree(RunPaths(run_dir).trial(victim))
     assert cli_json("resubmit", str(run_dir), "--wait")["trials"] == 1

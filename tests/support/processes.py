@@ -28,8 +28,10 @@ def container_processes(sif: Path) -> list[str]:
     own_namespace = _user_namespace(os.getpid())
     mine = [
         process
-        for process in psutil.process_iter(["cmdline", "name", "uids", "ppid"])
-        if process.info["uids"] and process.info["uids"].real == os.getuid()
+        for process in psutil.process_iter(["cmdline", "name", "uids", "ppid", "status"])
+        if process.info["uids"]
+        and process.info["uids"].real == os.getuid()
+        and process.info["status"] != psutil.STATUS_ZOMBIE  # ended: its parent has yet to reap it
     ]
     of_sif = {process.pid for process in mine if _names(process, str(sif))}
     namespaces = {_user_namespace(pid) for pid in of_sif} - {None, own_namespace}
