@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -217,6 +218,7 @@ def plan_build(
     """
     given = dict(build_args or {})
     target = Reference.registry_target(registry) if registry else Reference("", "")
+    workers = _hashing_workers() if jobs > 1 else None
     discovery = discover_tasks(root)
     plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
     # (task, context folder, role): the environment's (role ""), separate verifiers'
@@ -230,10 +232,8 @@ def plan_build(
     for task in discovery.tasks:
         roles += [(task, folder, service) for service, folder in _compose_contexts(task, plan)]
     places = [(task.rel, folder, given) for task, folder, _ in roles]
-    if jobs > 1 and len(places) >= _PARALLEL_HASH_MIN:
+    if workers is not None and len(places) >= _PARALLEL_HASH_MIN:
         chunk = max(1, len(places) // (jobs * 8))
-        # forkserver: forking a process that may run threads (docker's, rich's) can deadlock.
-        workers = multiprocessing.get_context("forkserver")
         with ProcessPoolExecutor(
             max_workers=jobs, mp_context=workers, initializer=_reset_worker_hashing
         ) as pool:
@@ -273,6 +273,17 @@ def plan_build(
                 "services cannot run under Apptainer; give it a tests/Dockerfile"
             )
     return plan
+
+
+def _hashing_workers() -> multiprocessing.context.ForkServerContext:
+    """How hashing workers start: forked from a server process, as forking this one, which may
+    run threads (docker's, rich's), can deadlock. The server starts now, in the background,
+    and loads what hashing needs (docker-py, above all) while this process discovers the
+    tasks: workers forked from it then start at once, not each loading it anew."""
+    workers = multiprocessing.get_context("forkserver")
+    workers.set_forkserver_preload(["__main__", __name__, "docker.utils.build"])
+    multiprocessing.forkserver.ensure_running()
+    return workers
 
 
 def _compose_contexts(task: Task, plan: BuildPlan) -> list[tuple[str, Path]]:

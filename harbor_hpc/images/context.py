@@ -1,7 +1,8 @@
 """The identity of a build context: a hash of exactly what Docker would send and build from.
 
-The file list comes from docker-py's own `.dockerignore` matcher (`exclude_paths`), the code that
-makes the tar `build` sends, so the hash and the build can never disagree about which files count.
+The file list comes from docker-py's own `.dockerignore` matcher (the `PatternMatcher` that
+`exclude_paths` walks with to make the tar `build` sends), walked as `exclude_paths` walks, so the
+hash and the build can never disagree about which files count.
 Each entry contributes its relative path, its type and permission bits (COPY keeps them) and its
 content (a symlink: its target text, as Docker sends links unfollowed). Owners and mtimes are left
 out: COPY resets owners to root, and mtimes differ between unpackings of identical tasks. The
@@ -17,6 +18,7 @@ read once, by (device, inode, mtime, size).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import os
 import posixpath
@@ -30,6 +32,8 @@ from harbor_hpc.images.dockerfile import escapes_context, is_glob
 DOCKERFILE = "Dockerfile"
 DOCKERIGNORE = ".dockerignore"
 _HASH_VERSION = b"harbor-hpc-context-v1\n"
+# Bytes read at a time from a file being hashed.
+_CHUNK = 1 << 20
 
 
 def dockerignore_patterns(context: Path) -> list[str]:
@@ -42,10 +46,64 @@ def dockerignore_patterns(context: Path) -> list[str]:
 
 
 def context_files(context: Path) -> list[str]:
-    """Relative paths (files, folders, links) that Docker sends for `context`, sorted."""
-    from docker.utils.build import exclude_paths  # docker-py loads when a context is hashed
+    """Relative paths (files, folders, links) that Docker sends for `context`, sorted.
 
-    return sorted(exclude_paths(str(context), dockerignore_patterns(context), DOCKERFILE))
+    The walk of docker-py's `exclude_paths`, entry for entry, with its own `PatternMatcher`
+    deciding what is ignored; only faster: one `scandir` per folder, and each path's verdict
+    remembered per set of patterns, as tasks of a dataset share their files' names.
+    """
+    ignored = _ignored(tuple(dockerignore_patterns(context)))
+    found: list[str] = []
+    folders = [(str(context), "")]
+    while folders:
+        folder, prefix = folders.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                skip = ignored(rel)
+                if not skip:
+                    found.append(rel)
+                # A folder is entered unless it is a link, or ignored with no `!` pattern
+                # that re-includes something under it.
+                if entry.is_dir(follow_symlinks=False) and (not skip or ignored.reincludes(rel)):
+                    folders.append((entry.path, rel + "/"))
+    return sorted(found)
+
+
+class _Ignored:
+    """docker-py's verdict on each path for one `.dockerignore`, each path asked once."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        from docker.utils.build import PatternMatcher  # docker-py loads when a context is hashed
+
+        # As `exclude_paths` makes it: the Dockerfile is always sent.
+        self._matcher = PatternMatcher([*patterns, f"!{DOCKERFILE}"])
+        self._verdicts: dict[str, bool] = {}
+
+    def __call__(self, rel: str) -> bool:
+        verdict = self._verdicts.get(rel)
+        if verdict is None:
+            if len(self._verdicts) >= _VERDICTS:
+                self._verdicts.clear()
+            verdict = self._verdicts[rel] = bool(self._matcher.matches(rel))
+        return verdict
+
+    def reincludes(self, folder: str) -> bool:
+        """Whether a `!` pattern names something under the ignored `folder` (docker-py then
+        walks into it)."""
+        return any(
+            pattern.exclusion and pattern.cleaned_pattern.startswith(folder)
+            for pattern in self._matcher.patterns
+        )
+
+
+# Paths whose verdicts one `_Ignored` keeps at most.
+_VERDICTS = 100_000
+
+
+@functools.lru_cache(maxsize=64)
+def _ignored(patterns: tuple[str, ...]) -> _Ignored:
+    return _Ignored(patterns)
 
 
 class ContextError(ValueError):
@@ -89,8 +147,14 @@ class FileDigests:
         known = self._known.get(key)
         if known is not None:
             return known
-        with open(path, "rb") as handle:
-            value = hashlib.file_digest(handle, "sha256").digest()
+        hasher = hashlib.sha256()
+        fd = os.open(path, os.O_RDONLY)  # not open(): its buffered file costs more than a read
+        try:
+            while chunk := os.read(fd, _CHUNK):
+                hasher.update(chunk)
+        finally:
+            os.close(fd)
+        value = hasher.digest()
         with self._lock:
             self._known[key] = value
         return value

@@ -4,7 +4,7 @@ import os
 import tarfile
 from pathlib import Path
 
-from docker.utils.build import tar
+from docker.utils.build import exclude_paths, tar
 
 from harbor_hpc.images.context import FileDigests, context_files, context_hash
 
@@ -59,6 +59,33 @@ def test_file_list_is_what_docker_py_sends(tmp_path: Path) -> None:
         sent = sorted(archive.getnames())
     assert context_files(context) == sent
     assert "Dockerfile" in sent and "secret.txt" not in sent and "build/tmp.o" not in sent
+
+
+def test_file_list_is_docker_pys_for_any_dockerignore(tmp_path: Path) -> None:
+    files = {
+        "app.py": "a",
+        "app.pyc": "c",
+        "docs/a.md": "d",
+        "docs/deep/b.md": "d",
+        "docs/deep/keep.txt": "k",
+        "data/raw/x.csv": "x",
+        "data/raw/y.bin": "y",
+        ".git/config": "g",
+    }
+    ignores = [
+        "",
+        "*.pyc\n",
+        "docs\n!docs/deep/keep.txt\n",
+        "**/*.md\ndata/*/y.*\n",
+        "*\n!app.py\n!data\n",
+        "../docs/\n./data/raw\n.git\nDockerfile\n.dockerignore\n",
+    ]
+    for index, ignore in enumerate(ignores):
+        # Contexts alike but for .dockerignore: each one's verdicts are its own.
+        context = make_context(tmp_path / f"ctx{index}", {**files, ".dockerignore": ignore})
+        (context / "linked").symlink_to(context / "docs", target_is_directory=True)
+        patterns = _patterns(context) if ignore else []
+        assert context_files(context) == sorted(exclude_paths(str(context), patterns)), ignore
 
 
 def _patterns(context: Path) -> list[str]:
