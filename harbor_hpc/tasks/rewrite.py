@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import json
 import os
 import re
@@ -286,21 +287,16 @@ def set_docker_image(text: str, value: str, *, table: tuple[str, ...] = ENVIRONM
     module's docstring).
     """
     original = tomllib.loads(text)
-    expected = copy.deepcopy(original)
-    parent = expected
+    present: Any = original
     for name in table[:-1]:
-        parent = parent.setdefault(name, {})
-    had_table = table[-1] in parent
-    if not had_table:
-        seed = {k: v for k, v in original.get("environment", {}).items() if k != "docker_image"}
-        parent[table[-1]] = seed if table == VERIFIER_ENVIRONMENT else {}
-    had_key = "docker_image" in parent[table[-1]]
-    parent[table[-1]]["docker_image"] = value
+        present = present.get(name, {})
+    had_key = "docker_image" in present.get(table[-1], {})
     fast = _edit_in_place(text, value, table, had_key=had_key)
-    if fast is not None:
-        edited, certain = fast
-        if certain or _parses_to(edited, expected):
-            return edited
+    if fast is not None and fast[1]:
+        return fast[0]  # certainly right: no need to build what it must parse to
+    expected, parent = _expected(original, value, table)
+    if fast is not None and _parses_to(fast[0], expected):
+        return fast[0]
     try:
         document = tomlkit.parse(text)
         container: Any = document
@@ -319,6 +315,28 @@ def set_docker_image(text: str, value: str, *, table: tuple[str, ...] = ENVIRONM
     if not _parses_to(edited, expected):
         raise ValueError("editing docker_image would change other values; edit it by hand")
     return edited
+
+
+def _expected(
+    original: dict[str, Any], value: str, table: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What task.toml `original` must parse to once `[TABLE].docker_image = value` (a new
+    `[verifier.environment]` seeded from `[environment]`), and the table's parent in it."""
+    expected = copy.deepcopy(original)
+    parent = expected
+    for name in table[:-1]:
+        parent = parent.setdefault(name, {})
+    if table[-1] not in parent:
+        seed = {k: v for k, v in original.get("environment", {}).items() if k != "docker_image"}
+        parent[table[-1]] = seed if table == VERIFIER_ENVIRONMENT else {}
+    parent[table[-1]]["docker_image"] = value
+    return expected, parent
+
+
+@functools.lru_cache(maxsize=1024)
+def _quoted(value: str) -> str:
+    """`value` as a TOML string, as tomlkit writes it (tasks share few images)."""
+    return tomlkit.string(value).as_string()
 
 
 def _header(table: tuple[str, ...]) -> re.Pattern[str]:
@@ -347,7 +365,7 @@ def _edit_in_place(
     if header is None:
         return None
     certain = '"""' not in text and "'''" not in text
-    quoted = tomlkit.string(value).as_string()
+    quoted = _quoted(value)
     next_header = _ANY_HEADER.search(text, header.end())
     end = next_header.start() if next_header else len(text)
     line = _DOCKER_IMAGE_LINE.search(text, header.end(), end)
