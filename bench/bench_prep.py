@@ -9,7 +9,10 @@ CLI runs (goals for 10,000 tasks on an idle machine, scaled linearly for other s
 Each step is printed with its goal and its ratio to the floor measured in the same run, so runs
 on machines of other speeds (and at 100,000 tasks: `--tasks 100000`) compare.
 
-Usage: uv run python bench/bench_prep.py [--tasks 10000] [--contexts 9] [--root DIR]
+With --distinct every task.toml and Dockerfile is its task's own (one context per task), so no
+step gains from equal files, as in datasets whose tasks each have their own image.
+
+Usage: uv run python bench/bench_prep.py [--tasks 10000] [--contexts 9] [--distinct] [--root DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ version = "1.0"
 author_name = "bench"
 difficulty = "medium"
 category = "{domain}"
-tags = ["synthetic", "bench"]
+tags = ["synthetic", "bench", "{label}"]
 
 [verifier]
 timeout_sec = 900.0
@@ -54,7 +57,7 @@ DOCKERFILE = """\
 FROM local/debian:bookworm
 WORKDIR /app
 COPY files/ /app/
-RUN echo {domain} > /etc/domain
+RUN echo {label} > /etc/domain
 """
 
 
@@ -62,16 +65,17 @@ RUN echo {domain} > /etc/domain
 GOALS = {"plan": 1.5, "rewrite": 3.0, "rerun": 1.0}
 
 
-def make_tasks(root: Path, tasks: int, contexts: int) -> None:
+def make_tasks(root: Path, tasks: int, contexts: int, distinct: bool) -> None:
     for index in range(tasks):
         domain = f"domain{index % contexts}"
+        label = f"task{index}" if distinct else domain
         task = root / domain / f"task-{index:05d}"
         (task / "environment" / "files").mkdir(parents=True)
         (task / "solution").mkdir()
         (task / "tests").mkdir()
-        (task / "task.toml").write_text(TASK_TOML.format(domain=domain))
+        (task / "task.toml").write_text(TASK_TOML.format(domain=domain, label=label))
         (task / "instruction.md").write_text(f"Solve task {index}.\n")
-        (task / "environment" / "Dockerfile").write_text(DOCKERFILE.format(domain=domain))
+        (task / "environment" / "Dockerfile").write_text(DOCKERFILE.format(label=label))
         (task / "environment" / "files" / "data.csv").write_text(f"{domain}\n" * 2000)
         (task / "environment" / "files" / "helper.py").write_text("print('help')\n")
         (task / "environment" / ".dockerignore").write_text("*.pyc\n")
@@ -110,13 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=10_000)
     parser.add_argument("--contexts", type=int, default=9)
+    parser.add_argument("--distinct", action="store_true", help="no two tasks' files alike")
     parser.add_argument("--root", type=Path, help="where to make the tasks [default: a tmp dir]")
     args = parser.parse_args()
     scale = args.tasks / 10_000
     base = Path(tempfile.mkdtemp(prefix="bench-prep-", dir=args.root))
     try:
         root = base / "tasks"
-        _, elapsed = timed(lambda: make_tasks(root, args.tasks, args.contexts))
+        _, elapsed = timed(lambda: make_tasks(root, args.tasks, args.contexts, args.distinct))
         report("make", elapsed, None, None)
         files, least = timed(lambda: floor(root))
         report("floor", least, None, None)
