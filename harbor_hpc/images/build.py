@@ -281,7 +281,7 @@ def _hashing_workers() -> multiprocessing.context.ForkServerContext:
     and loads what hashing needs (docker-py, above all) while this process discovers the
     tasks: workers forked from it then start at once, not each loading it anew."""
     workers = multiprocessing.get_context("forkserver")
-    workers.set_forkserver_preload(["__main__", __name__, "docker.utils.build"])
+    workers.set_forkserver_preload([__name__, "docker.utils.build"])
     multiprocessing.forkserver.ensure_running()
     return workers
 
