@@ -127,10 +127,21 @@ async def main():
 """
 
 
+# Ray's health checks (which a Ray node inherits from `up`'s environment through the job):
+# every 2 s, given up after 3 s, three missed in a row; a node cut off is found dead in some
+# 15 s rather than Ray's minute (every 3 s, 10 s, five in a row).
+HEALTH_CHECKS = {
+    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
 def ray_up(cluster: MultiNode, cluster_dir: Path) -> dict[str, Any]:
     up: dict[str, Any] = cli_json(
         "ray", "up", "--nodes", "3", "--cpus-per-node", "2", "--partition", "multi", "--time", "30",
-        "--wait-timeout", "240", "--cluster-dir", str(cluster_dir), env=cluster.env,
+        "--wait-timeout", "240", "--cluster-dir", str(cluster_dir),
+        env={**cluster.env, **HEALTH_CHECKS},
     )  # fmt: skip
     assert up["address"].startswith(ADDRESS["n1"] + ":")  # the head: Slurm's first node
     return up
@@ -172,7 +183,7 @@ def test_nodes_lost_under_a_fleet_end_only_their_environments_and_the_head_ends_
             error = seen[ADDRESS[lost]]["error"]
             assert error.startswith("EnvironmentHostUnavailable: task e"), error
             assert f"its Ray node {ADDRESS[lost]} (node id" in error, error
-        # A crash is news at once; silence takes Ray's health checks (about a minute).
+        # A crash is news at once; silence takes Ray's health checks (HEALTH_CHECKS).
         assert seen[ADDRESS["n2"]]["after"] < 30, seen
 
         # The cluster goes on without them, and says so: the job runs, the two nodes are dead.
@@ -189,7 +200,12 @@ def test_nodes_lost_under_a_fleet_end_only_their_environments_and_the_head_ends_
             time.sleep(2)
 
         # Both come back. What the cut-off node still ran of the job, Slurm ends when the node
-        # registers again (it took the node out of the job meanwhile).
+        # registers again: once Slurm too found it silent (SlurmdTimeout) and took it out of
+        # the job, which Ray's health checks may be quicker to do than Slurm.
+        deadline = time.monotonic() + 60
+        while not cluster.state("n3").startswith("down"):
+            assert time.monotonic() < deadline, cluster.slurm("sinfo", "-N")
+            time.sleep(1)
         cluster.node("heal", "n3")
         cluster.node("start", "n2")
         deadline = time.monotonic() + 150
