@@ -190,7 +190,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 # -- images ----------------------------------------------------------------------------
 
 
-# Tests run side by side in several processes (pytest-xdist's workers, tests/README.md): what
+# Tests run side by side in several processes (pytest-xdist's workers, docs/development.md): what
 # is slow to make is made once per run, in a folder every worker of the run shares, which the
 # first process (the only one without xdist) makes and removes.
 RUN_FOLDER = "HARBOR_HPC_TEST_RUN_FOLDER"

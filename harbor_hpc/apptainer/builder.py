@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import find_apptainer, squashfs_options
+from harbor_hpc.apptainer.runtime import build_command, find_apptainer
 from harbor_hpc.apptainer.sif import raw_config, write_image_config
 from harbor_hpc.apptainer.store import (
     CONVERT_TIMEOUT_S,
@@ -203,8 +203,7 @@ class ApptainerBuilder(Builder):
         for prefix in ("APPTAINER", "SINGULARITY"):
             env[f"{prefix}_TMPDIR"] = str(scratch)
             env[f"{prefix}_CACHEDIR"] = str(scratch / "cache")
-        command = [find_apptainer(), "build", "--fakeroot", *squashfs_options()]
-        command += [str(built), str(recipe)]
+        command = build_command("--fakeroot", str(built), str(recipe))
         # One stream, in the order Apptainer wrote it: the log reads as the build went.
         done = run(
             ["/bin/sh", "-c", 'exec "$@" 2>&1', "sh", *command],

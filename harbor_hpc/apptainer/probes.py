@@ -31,6 +31,7 @@ from harbor_hpc.apptainer.runtime import (
     FAKEROOT_HINT,
     PROBE_TIMEOUT_S,
     SQUASHFS_COMPRESSION,
+    build_command,
     find_apptainer,
     first_that_runs,
     squashfs_options,
@@ -398,7 +399,7 @@ def _build_probe_image(binary: str, target: Path) -> None:
         _make_rootfs(rootfs)
         partial = Path(scratch) / "probe.sif"
         built = run(
-            [binary, "build", "--force", *squashfs_options(), str(partial), str(rootfs)],
+            build_command("--force", str(partial), str(rootfs), binary=binary),
             timeout=BUILD_TIMEOUT_S,
         )
         if not built.ok:

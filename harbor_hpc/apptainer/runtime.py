@@ -143,6 +143,12 @@ def squashfs_options() -> tuple[str, ...]:
     return ("--mksquashfs-args", " ".join(SQUASHFS_ARGS))
 
 
+def build_command(*arguments: str, binary: str | None = None) -> list[str]:
+    """`apptainer build ARGUMENTS`, its .sif compressed as every .sif of ours is
+    (`squashfs_options`); `binary`: an apptainer found already, else `find_apptainer()`."""
+    return [binary or find_apptainer(), "build", *squashfs_options(), *arguments]
+
+
 # Harbor's default: the host's home, /tmp and admin bind paths stay out of the container.
 DEFAULT_NO_MOUNT = "home,tmp,bind-paths"
 

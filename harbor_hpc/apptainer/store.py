@@ -62,7 +62,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_hpc.apptainer.runtime import find_apptainer, run_flags, squashfs_options
+from harbor_hpc.apptainer.runtime import build_command, run_flags
 from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
 from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
 from harbor_hpc.core.proc import run
@@ -364,8 +364,7 @@ def _convert(parsed: ResolvedImage, source: str, final: Path, *, use_http: bool)
             env.pop(f"{prefix}_NOHTTPS", None)
     # `build` rather than `pull` for a registry's image too: only build compresses the .sif as
     # asked (squashfs_options).
-    command = [find_apptainer(), "build", "--disable-cache", *squashfs_options()]
-    command += [str(partial), parsed.uri]
+    command = build_command("--disable-cache", str(partial), parsed.uri)
     started = time.monotonic()
     log.info("converting %s -> %s", source, final.name)
     try:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import find_apptainer, squashfs_options
+from harbor_hpc.apptainer.runtime import build_command
 from harbor_hpc.core.proc import run
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
@@ -60,8 +60,7 @@ def build_sif(
 ) -> Path:
     """`apptainer build` of the local Docker `image` into `sif`, compressed as the store's images
     are, readable by every local user; in the `background`, at the lowest CPU priority."""
-    build = [find_apptainer(), "build", "-F", *squashfs_options(), str(sif)]
-    build.append(f"docker-daemon://{image}")
+    build = build_command("-F", str(sif), f"docker-daemon://{image}")
     built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
     assert built.ok, f"apptainer build of {image}: {built.why()}"
     sif.chmod(0o755)

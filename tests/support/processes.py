@@ -34,11 +34,12 @@ def container_processes(sif: Path) -> list[str]:
         and process.info["status"] != psutil.STATUS_ZOMBIE  # ended: its parent has yet to reap it
     ]
     of_sif = {process.pid for process in mine if _names(process, str(sif))}
-    namespaces = {_user_namespace(pid) for pid in of_sif} - {None, own_namespace}
+    namespace_of = {process.pid: _user_namespace(process.pid) for process in mine}
+    namespaces = {namespace_of[pid] for pid in of_sif} - {None, own_namespace}
     names = {process.pid: process.info["name"] for process in mine}
     found = []
     for process in mine:
-        namespace = _user_namespace(process.pid)
+        namespace = namespace_of[process.pid]
         orphan_mount = (
             process.info["name"] in FUSE_HELPERS
             and names.get(process.info["ppid"]) != STARTER
