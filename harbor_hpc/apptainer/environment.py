@@ -491,7 +491,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     def _command(self, flags: tuple[str, ...]) -> list[str]:
         assert self._main is not None and self._private_dir is not None
-        binds = ["-B", f"{self._main.staging}:{STAGING}"]
+        binds = self._main.mounts()
         if not self._fakeroot:
             # Without root the overlay cannot copy the image's root-owned /tmp up: a private
             # folder of the user's stands in for it.
@@ -594,12 +594,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 service, self.environment_name, private, sifs[service.name], self.logger
             )
             self._sidecars[service.name] = sidecar
-            binds = [
-                "-B",
-                f"{sidecar.container.staging}:{STAGING}",
-                "-B",
-                f"{private / 'hosts'}:/etc/hosts",
-            ]
+            binds = [*sidecar.container.mounts(), "-B", f"{private / 'hosts'}:/etc/hosts"]
             if self._own_network:
                 binds += ["-B", f"{private / 'resolv.conf'}:/etc/resolv.conf"]
             binds += self._volume_binds(service.volumes)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from harbor_hpc.apptainer import gpus
+from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.network import ADMIN_HINT, egress_problem, own_network_problem
 from harbor_hpc.apptainer.runtime import (
     CANDIDATE_FLAGS,
@@ -341,17 +342,24 @@ def exec_finding(image: Path) -> Finding:
 
 def task_container_finding(image: Path) -> Finding:
     """The task container as the environment starts it: root inside, writing its image through
-    an overlay on the scratch space ($TMPDIR), in a network namespace of its own."""
+    an overlay on the scratch space ($TMPDIR), in a network namespace of its own, with the
+    server's mounts (the image view among them)."""
     private = PrivateDir("harbor-hpc-doctor-")
     scratch = private.path
     try:
         (scratch / "overlay").mkdir()
+        (scratch / "staging" / ".hh" / "image").mkdir(parents=True)
         command = task_container_command(
             image,
             FAKEROOT,
-            ["/bin/sh", "-c", ': > /harbor-hpc-probe && [ "$HOME" ]'],
+            [
+                "/bin/sh",
+                "-c",
+                f': > /harbor-hpc-probe && [ "$HOME" ] && [ -x {IMAGE_VIEW}/bin/sh ]',
+            ],
             overlay=scratch / "overlay",
             own_network=True,
+            options=server_mounts(scratch / "staging", image),
         )
         attempt = run(command, timeout=PROBE_TIMEOUT_S)
     finally:

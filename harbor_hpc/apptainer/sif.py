@@ -10,6 +10,9 @@ millisecond, where `apptainer sif dump` costs two process starts.
 `build --builder apptainer` writes the config of the image it built from a Dockerfile into the
 same descriptor (`write_image_config`), so the environment starts its images exactly as it
 starts converted ones.
+
+The container mounts the image's root partition (`root_partition`) a second time, read-only,
+for its command server's python3 (container.py says why).
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ _MAGIC = b"SIF_MAGIC"
 _HEADER = struct.Struct("<32s10s3s3s16s8q")
 _DESCRIPTOR_FIXED = struct.Struct("<i?IIIqq")  # type, used, id, group, link, offset, size
 _NAME_AT, _NAME_LEN = 73, 128
-_JSON_GENERIC = 0x4006
+_EXTRA_AT = _NAME_AT + _NAME_LEN
+_PARTITION = struct.Struct("<ii")  # a partition's file system and kind, at _EXTRA_AT
+_JSON_GENERIC, _PARTITION_TYPE = 0x4006, 0x4004
+_SQUASHFS, _PRIMARY_SYSTEM = 1, 2
 _OCI_CONFIG_NAME = b"oci-config.json"
 # `apptainer sif add --datatype` for JSON.Generic; the system partition's group, as Apptainer's own.
 _JSON_DATATYPE, _SYSTEM_GROUP = "6", "1"
@@ -99,6 +105,22 @@ def raw_config(sif: Path) -> dict[str, Any] | None:
     return None
 
 
+def root_partition(sif: Path) -> int | None:
+    """The descriptor id of the squashfs partition holding the image's root file system (what
+    `apptainer exec` mounts as /), or None (not a SIF, or its root is not squashfs)."""
+    try:
+        with sif.open("rb") as file:
+            for kind, number, entry in _descriptors(file):
+                if kind == _PARTITION_TYPE and _PARTITION.unpack_from(entry, _EXTRA_AT) == (
+                    _SQUASHFS,
+                    _PRIMARY_SYSTEM,
+                ):
+                    return number
+    except (OSError, struct.error):
+        return None
+    return None
+
+
 def write_image_config(sif: Path, config: dict[str, Any]) -> None:
     """Make `config` the OCI config `sif` holds, in place of any it has (a build from a local
     image inherits that image's)."""
@@ -128,6 +150,16 @@ def _sif_tool(command: list[str]) -> None:
 def _configs(file: IO[bytes]) -> Iterator[tuple[int, int, int]]:
     """(descriptor id, offset, length) of each OCI config descriptor in an open SIF, in order;
     nothing for a file that is not a SIF."""
+    for kind, number, entry in _descriptors(file):
+        _, _, _, _, _, offset, length = _DESCRIPTOR_FIXED.unpack_from(entry)
+        name = entry[_NAME_AT : _NAME_AT + _NAME_LEN].rstrip(b"\0")
+        if kind == _JSON_GENERIC and name == _OCI_CONFIG_NAME:
+            yield number, offset, length
+
+
+def _descriptors(file: IO[bytes]) -> Iterator[tuple[int, int, bytes]]:
+    """(data type, descriptor id, raw descriptor) of each descriptor in use in an open SIF, in
+    order; nothing for a file that is not a SIF."""
     header = file.read(_HEADER.size)
     if len(header) < _HEADER.size:
         return
@@ -142,7 +174,6 @@ def _configs(file: IO[bytes]) -> Iterator[tuple[int, int, int]]:
     width = table_size // total
     for index in range(total):
         entry = table[index * width : (index + 1) * width]
-        kind, used, number, _, _, offset, length = _DESCRIPTOR_FIXED.unpack_from(entry)
-        name = entry[_NAME_AT : _NAME_AT + _NAME_LEN].rstrip(b"\0")
-        if used and kind == _JSON_GENERIC and name == _OCI_CONFIG_NAME:
-            yield number, offset, length
+        kind, used, number, _, _, _, _ = _DESCRIPTOR_FIXED.unpack_from(entry)
+        if used:
+            yield kind, number, entry

@@ -30,9 +30,11 @@ import pytest
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
+from harbor_hpc.apptainer.container import IMAGE_VIEW
 from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
 from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
 from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import process_tree
 from tests.support.processes import container_processes, gone_within
@@ -590,16 +592,38 @@ def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot
     payload = tmp_path / "payload.bin"
     payload.write_bytes(os.urandom(5 << 20))
 
-    async def main() -> tuple[str, str]:
+    async def main() -> tuple[str, str, str]:
         async with started(debian_sif, tmp_path / "env", fakeroot=fakeroot) as environment:
             who = await environment.exec("id -u; touch /tmp/made && echo wrote")
             await environment.upload_file(payload, "/tmp/payload.bin")
             size = await environment.exec("stat -c %s /tmp/payload.bin")
-            return who.stdout or "", size.stdout or ""
+            # The server (this shell's parent) is the image's python3, from the image view,
+            # which nothing in the container can write.
+            server = await environment.exec(
+                f"readlink /proc/$PPID/exe; touch {IMAGE_VIEW}/made 2>/dev/null || echo read-only"
+            )
+            return who.stdout or "", size.stdout or "", server.stdout or ""
 
-    who, size = asyncio.run(main())
+    who, size, server = asyncio.run(main())
     assert who == f"{0 if fakeroot else os.getuid()}\nwrote\n"
     assert int(size) == payload.stat().st_size
+    assert server == f"{IMAGE_VIEW}/usr/bin/python3.11\nread-only\n"
+
+
+def test_root_partition_of_what_is_not_a_sif(tmp_path: Path) -> None:
+    (tmp_path / "image.sif").write_bytes(b"SIF_MAGIC" * 100)
+    assert root_partition(tmp_path / "image.sif") is None
+    assert root_partition(tmp_path / "missing.sif") is None
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_root_partition_is_the_one_apptainer_lists(debian_sif: Path) -> None:
+    listed = subprocess.run(
+        [find_apptainer(), "sif", "list", str(debian_sif)], capture_output=True, text=True
+    ).stdout
+    rows = [line.split("|") for line in listed.splitlines() if "Squashfs/*System" in line]
+    assert [int(row[0]) for row in rows] == [root_partition(debian_sif)]
 
 
 @pytest.mark.apptainer
