@@ -25,14 +25,19 @@ from harbor_hpc.core.errors import HarborHpcError, InputError
 
 
 @contextlib.contextmanager
-def _replacing(path: Path) -> Iterator[Path]:
-    """A temporary file beside `path` for the block to fill; renamed over `path` when the block
-    ends, removed when it raises."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+def _replacing(path: Path) -> Iterator[tuple[int, Path]]:
+    """A temporary file beside `path`, open (its descriptor) for the block to fill; renamed over
+    `path` when the block ends, removed when it raises. The folder is made if it is missing."""
     try:
-        yield Path(tmp)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        try:
+            yield fd, Path(tmp)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
@@ -50,19 +55,20 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> N
             mode = path.stat().st_mode & 0o7777
         except FileNotFoundError:
             mode = 0o666 & ~_umask()
-    with _replacing(path) as tmp, open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
+    with _replacing(path) as (fd, _):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.fchmod(fd, mode)
 
 
 def atomic_copy(source: Path, path: Path) -> None:
     """Replace `path` with a copy of `source`, streamed (files can be gigabytes), in one rename;
     the copy gets the permissions of any new file (the user's umask)."""
-    with _replacing(path) as tmp:
+    with _replacing(path) as (fd, tmp):
         shutil.copyfile(source, tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~_umask())
 
 
 def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:

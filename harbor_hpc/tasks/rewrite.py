@@ -130,7 +130,7 @@ def rewrite_tasks(
         where = task.task_toml
         try:
             # A symlink's target is what changes: the link stays, pointing at the edited file.
-            path = where.resolve(strict=True)
+            path = where.resolve(strict=True) if where.is_symlink() else where
             old = path.read_bytes().decode()  # bytes as they are: no newline translation
             if verifier == task.verifier_docker_image:
                 verifier = None
@@ -141,8 +141,8 @@ def rewrite_tasks(
                     new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
                 edited[(old, target, verifier)] = new
             files = [(path, old, new)]
-            compose = compose_file(task.environment_dir)
-            if services and compose is not None:
+            compose = compose_file(task.environment_dir) if services else None
+            if compose is not None:
                 where = compose
                 path = compose.resolve(strict=True)
                 old = path.read_bytes().decode()
@@ -150,14 +150,19 @@ def rewrite_tasks(
                 for service, image in sorted(services.items()):
                     new = set_service_image(new, service, image)
                 files.append((path, old, new))
-            return _Edit(task, [(p, a, b) for p, a, b in files if a != b])
+            changed = [(p, a, b, _writable_mode(p)) for p, a, b in files if a != b]
+            return _Edit(
+                task,
+                [(p, a, b, mode) for p, a, b, mode in changed if mode is not None],
+                [p for p, _, _, mode in changed if mode is None],
+            )
         except (OSError, ValueError) as exc:
             return TaskProblem(where, f"not rewritten: {exc}")
 
     def write(change: _Edit) -> TaskProblem | None:
-        for path, _, new in change.files:
+        for path, _, new, mode in change.files:
             try:
-                atomic_write_bytes(path, new.encode())
+                atomic_write_bytes(path, new.encode(), mode=mode)
             except OSError as exc:  # the folder not writable, a full disk: this task only
                 return TaskProblem(path, f"not written: {exc.strerror or exc}")
         return None
@@ -167,12 +172,12 @@ def rewrite_tasks(
         for outcome in pool.map(edit, edits):
             if isinstance(outcome, TaskProblem):
                 result.problems.append(outcome)
+            elif outcome.locked:
+                result.skipped[outcome.task.rel] = (
+                    f"{outcome.locked[0]}: read-only: chmod u+w it to let rewrite change it"
+                )
             elif not outcome.files:
                 result.unchanged.append(outcome.task.rel)
-            elif locked := [path for path, _, _ in outcome.files if _read_only(path)]:
-                result.skipped[outcome.task.rel] = (
-                    f"{locked[0]}: read-only: chmod u+w it to let rewrite change it"
-                )
             else:
                 changes.append(outcome)
         written: list[TaskProblem | None] = (
@@ -185,7 +190,7 @@ def rewrite_tasks(
         result.changed.append(change.task.rel)
         if dry_run:
             result.diffs[change.task.rel] = "".join(
-                unified_diff(change.task, path, old, new) for path, old, new in change.files
+                unified_diff(change.task, path, old, new) for path, old, new, _ in change.files
             )
     result.unchanged.sort()
     return result
@@ -195,17 +200,22 @@ def rewrite_tasks(
 class _Edit:
     task: Task
     # (where the new text goes: task.toml or the compose file, or the file it links to; the
-    # old text; the new), for each file that changes.
-    files: list[tuple[Path, str, str]]
+    # old text; the new; its permissions, which the new file keeps), for each file that changes.
+    files: list[tuple[Path, str, str, int]]
+    # The files that would change but that the user made read-only (left alone, named).
+    locked: list[Path]
 
 
-def _read_only(path: Path) -> bool:
-    """Whether the user took write permission away from `path` (or its target): its owner's
-    write bit is off, or we may not write it. A rename over it would succeed all the same."""
-    try:
-        return not path.stat().st_mode & stat.S_IWUSR or not os.access(path, os.W_OK)
-    except OSError:
-        return False  # gone or unreadable: the edit names that
+def _writable_mode(path: Path) -> int | None:
+    """`path`'s permissions, or None where the user took write permission away from it (or its
+    target): its owner's write bit is off, or we may not write it. A rename over it would
+    succeed all the same."""
+    status = path.stat()
+    if not status.st_mode & stat.S_IWUSR or (
+        status.st_uid != os.geteuid() and not os.access(path, os.W_OK)
+    ):
+        return None
+    return status.st_mode & 0o7777
 
 
 _NO_IMAGE = "the manifest names no image for it"
