@@ -38,7 +38,7 @@ import multiprocessing.forkserver
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 VERIFIER = "\0verifier"
 # Below this many tasks, starting worker processes costs more than it saves.
 _PARALLEL_HASH_MIN = 500
+# Contexts a hashing worker is sent at a time.
+_HASH_BATCH = 256
 _AUTH_REFUSALS = ("unauthorized", "authentication required", "no basic auth", "denied")
 
 
@@ -218,30 +220,26 @@ def plan_build(
     """
     given = dict(build_args or {})
     target = Reference.registry_target(registry) if registry else Reference("", "")
-    workers = _hashing_workers() if jobs > 1 else None
-    discovery = discover_tasks(root)
-    plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
-    # (task, context folder, role): the environment's (role ""), separate verifiers'
-    # (VERIFIER), compose services' (the service's name).
-    roles = [(task, task.environment_dir, "") for task in discovery.tasks]
-    roles += [
-        (task, task.verifier_build_dir, VERIFIER)
-        for task in discovery.tasks
-        if task.verifier_build_dir is not None
-    ]
-    for task in discovery.tasks:
-        roles += [(task, folder, service) for service, folder in _compose_contexts(task, plan)]
-    places = [(task.rel, folder, given) for task, folder, _ in roles]
-    if workers is not None and len(places) >= _PARALLEL_HASH_MIN:
-        chunk = max(1, len(places) // (jobs * 8))
-        with ProcessPoolExecutor(
-            max_workers=jobs, mp_context=workers, initializer=_reset_worker_hashing
-        ) as pool:
-            contexts = list(pool.map(_hash_in_worker, places, chunksize=chunk))
-    else:
-        hashing = _Hashing()
-        contexts = [_task_context(place, hashing) for place in places]
-    for (task, folder, role), step in zip(roles, contexts, strict=True):
+    with _ContextHashes(jobs, given) as hashes:
+        # Each task's environment is hashed from the moment the walk finds it.
+        discovery = discover_tasks(root, found=lambda task: hashes.add(task, task.environment_dir))
+        plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
+        # (task, context folder, role): the environment's (role ""), separate verifiers'
+        # (VERIFIER), compose services' (the service's name).
+        roles = [(task, task.environment_dir, "") for task in discovery.tasks]
+        roles += [
+            (task, task.verifier_build_dir, VERIFIER)
+            for task in discovery.tasks
+            if task.verifier_build_dir is not None
+        ]
+        for task in discovery.tasks:
+            roles += [(task, folder, service) for service, folder in _compose_contexts(task, plan)]
+        for task, folder, role in roles:
+            if role:
+                hashes.add(task, folder)
+        contexts = hashes.results()
+    for task, folder, role in roles:
+        step = contexts[(task.rel, folder)]
         if step.value is None:
             if role == VERIFIER:
                 plan.verifier_errors[task.rel] = step.reason
@@ -273,6 +271,56 @@ def plan_build(
                 "services cannot run under Apptainer; give it a tests/Dockerfile"
             )
     return plan
+
+
+class _ContextHashes:
+    """Build contexts hashed as they are named (`add`): in this process while they are few, in
+    `jobs` worker processes once there are many (batches go out while the rest are still being
+    found); `results` waits for every one."""
+
+    def __init__(self, jobs: int, build_args: dict[str, str]) -> None:
+        self._jobs = jobs
+        self._build_args = build_args
+        self._workers = _hashing_workers() if jobs > 1 else None
+        self._pool: ProcessPoolExecutor | None = None
+        self._waiting: list[_Place] = []
+        self._sent: list[tuple[list[_Place], Future[list[Step[_Context]]]]] = []
+
+    def __enter__(self) -> _ContextHashes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def add(self, task: Task, folder: Path) -> None:
+        self._waiting.append((task.rel, folder, self._build_args))
+        if self._workers is None:
+            return
+        if self._pool is None and len(self._waiting) >= _PARALLEL_HASH_MIN:
+            self._pool = ProcessPoolExecutor(
+                max_workers=self._jobs, mp_context=self._workers, initializer=_reset_worker_hashing
+            )
+        if self._pool is not None and len(self._waiting) >= _HASH_BATCH:
+            self._send()
+
+    def _send(self) -> None:
+        assert self._pool is not None
+        batch, self._waiting = self._waiting, []
+        self._sent.append((batch, self._pool.submit(_hash_in_worker, batch)))
+
+    def results(self) -> dict[tuple[str, Path], Step[_Context]]:
+        """Each context's hash (or why it has none), by (task, context folder)."""
+        if self._pool is None:
+            hashing = _Hashing()
+            return {(p[0], p[1]): _task_context(p, hashing) for p in self._waiting}
+        if self._waiting:
+            self._send()
+        return {
+            (rel, folder): step
+            for batch, future in self._sent
+            for (rel, folder, _), step in zip(batch, future.result(), strict=True)
+        }
 
 
 def _hashing_workers() -> multiprocessing.context.ForkServerContext:
@@ -337,8 +385,8 @@ _Place = tuple[str, Path, dict[str, str]]
 _Context = tuple[str, dict[str, str]]
 
 
-def _hash_in_worker(place: _Place) -> Step[_Context]:
-    return _task_context(place, _worker_hashing)
+def _hash_in_worker(batch: list[_Place]) -> list[Step[_Context]]:
+    return [_task_context(place, _worker_hashing) for place in batch]
 
 
 def _task_context(place: _Place, hashing: _Hashing) -> Step[_Context]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import tomllib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -144,9 +145,13 @@ class Discovery:
         return {task.rel: task for task in self.tasks}
 
 
-def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
+def discover_tasks(
+    root: Path, *, require_dockerfile: bool = True, found: Callable[[Task], object] | None = None
+) -> Discovery:
     """Every task under `root`, sorted by relative path, plus the problems met on the way. A
-    `root` that is itself a task is that one task, named by its folder as in its parent."""
+    `root` that is itself a task is that one task, named by its folder as in its parent.
+    `found` is called with each task as soon as it is loaded (in the order of the walk), so
+    that work on it can begin while the walk goes on."""
     root = root.expanduser().absolute()
     if not root.is_dir():
         raise InputError(f"{root}: not a folder", hint="pass the folder that holds your tasks")
@@ -155,10 +160,12 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
         task_or_problem = load_task(root.parent, root, require_dockerfile=require_dockerfile)
         if isinstance(task_or_problem, Task):
             one.tasks.append(task_or_problem)
+            if found is not None:
+                found(task_or_problem)
         else:
             one.problems.append(task_or_problem)
         return one
-    found = Discovery(root)
+    discovery = Discovery(root)
     configs: dict[str, TaskConfig | str] = {}
     top = str(root)
     prefix = top if top.endswith(os.sep) else top + os.sep
@@ -172,7 +179,7 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
             real = os.path.realpath(dirpath)
         if real in seen:
             if TASK_FILE in filenames:
-                found.problems.append(
+                discovery.problems.append(
                     TaskProblem(Path(dirpath), f"duplicate of {seen[real]} (symlink)")
                 )
             dirnames.clear()
@@ -187,11 +194,13 @@ def discover_tasks(root: Path, *, require_dockerfile: bool = True) -> Discovery:
         rel = dirpath[len(prefix) :] if dirpath != top else "."
         task_or_problem = _load(root, here, rel, configs, require_dockerfile=require_dockerfile)
         if isinstance(task_or_problem, Task):
-            found.tasks.append(task_or_problem)
+            discovery.tasks.append(task_or_problem)
+            if found is not None:
+                found(task_or_problem)
         else:
-            found.problems.append(task_or_problem)
-    found.tasks.sort(key=lambda task: task.rel)
-    return found
+            discovery.problems.append(task_or_problem)
+    discovery.tasks.sort(key=lambda task: task.rel)
+    return discovery
 
 
 def load_task(root: Path, path: Path, *, require_dockerfile: bool = True) -> Task | TaskProblem:

@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.images.build import _PARALLEL_HASH_MIN, parse_build_args, plan_build, run_build
+from harbor_hpc.images.build import (
+    _HASH_BATCH,
+    _PARALLEL_HASH_MIN,
+    parse_build_args,
+    plan_build,
+    run_build,
+)
 from harbor_hpc.images.docker_builder import DockerBuilder
 from harbor_hpc.images.registry import Registry
 from harbor_hpc.tasks.manifest import load_manifest
@@ -80,8 +86,10 @@ def test_plan_groups_tasks_by_context(tmp_path: Path) -> None:
 
 
 def test_parallel_hashing_plans_the_same(tmp_path: Path) -> None:
+    """Hashed in worker processes, in batches sent while the walk goes on, the plan is the one
+    hashed here."""
     root = tmp_path / "tasks"
-    for index in range(_PARALLEL_HASH_MIN):
+    for index in range(_PARALLEL_HASH_MIN + 2 * _HASH_BATCH + 7):
         make_task(root, f"t{index:04d}", f"FROM base\nRUN echo {index % 3}\n")
     sequential, parallel = (
         plan_build(root, "localhost:5000/ns", jobs=1),
