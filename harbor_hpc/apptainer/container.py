@@ -73,9 +73,9 @@ def launcher(workdir: str) -> list[str]:
 def server_mounts(staging: Path, sif: Path) -> list[str]:
     """Apptainer's options mounting what a container's server needs: `staging` at /staging,
     and the image view in it (`staging`/.hh/image is its mount point) where `sif` is a SIF with
-    a squashfs root."""
+    a squashfs root (and a path a bind can name: no `:` or `,`)."""
     options = ["-B", f"{staging}:{STAGING}"]
-    partition = root_partition(sif)
+    partition = root_partition(sif) if not {":", ","} & set(str(sif)) else None
     if partition is not None:
         options += ["-B", f"{sif}:{IMAGE_VIEW}:id={partition},image-src=/"]
     return options

@@ -30,7 +30,7 @@ import pytest
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.container import IMAGE_VIEW
+from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
 from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
 from harbor_hpc.apptainer.runtime import find_apptainer
@@ -608,6 +608,19 @@ def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot
     assert who == f"{0 if fakeroot else os.getuid()}\nwrote\n"
     assert int(size) == payload.stat().st_size
     assert server == f"{IMAGE_VIEW}/usr/bin/python3.11\nread-only\n"
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_no_image_view_for_a_sif_path_a_bind_cannot_name(debian_sif: Path, tmp_path: Path) -> None:
+    """Apptainer splits a bind at `:` and `,`: such a .sif's server starts from the overlay."""
+    odd = tmp_path / "a,b:c.sif"
+    odd.symlink_to(debian_sif)
+    assert server_mounts(tmp_path, odd) == ["-B", f"{tmp_path}:/staging"]
+    assert server_mounts(tmp_path, debian_sif)[2:] == [
+        "-B",
+        f"{debian_sif}:{IMAGE_VIEW}:id={root_partition(debian_sif)},image-src=/",
+    ]
 
 
 def test_root_partition_of_what_is_not_a_sif(tmp_path: Path) -> None:
