@@ -77,7 +77,7 @@ def server_mounts(staging: Path, sif: Path) -> list[str]:
     options = ["-B", f"{staging}:{STAGING}"]
     partition = root_partition(sif) if not {":", ","} & set(str(sif)) else None
     if partition is not None:
-        options += ["-B", f"{sif}:{IMAGE_VIEW}:id={partition},image-src=/"]
+        options += ["-B", f"{sif}:{IMAGE_VIEW}:id={partition.id},image-src=/"]
     return options
 
 
@@ -106,6 +106,8 @@ class Container:
         self.name = name
         self.private = private
         self.sif = sif
+        # The image unpacked on the node's disk (roots.py), if it runs from there.
+        self.root: Path | None = None
         self.image = image
         self.logger = logger
         self.process: asyncio.subprocess.Process | None = None
@@ -152,7 +154,7 @@ class Container:
 
     def mounts(self) -> list[str]:
         """Apptainer's options mounting what this container's server needs (`server_mounts`)."""
-        return server_mounts(self.staging, self.sif)
+        return server_mounts(self.staging, self.root or self.sif)
 
     async def launch(self, command: Sequence[str]) -> None:
         """Start `command` (which runs `launcher`) and wait for the server's greeting."""

@@ -29,6 +29,7 @@ import inspect
 import ipaddress
 import logging
 import resource
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +72,7 @@ from harbor_hpc.apptainer.network import (
 )
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
 from harbor_hpc.apptainer.probes import install_problem
+from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
     run_flags,
@@ -199,6 +201,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             overlay; default: $TMPDIR, which Slurm sites point at node-local scratch).
         extra_hosts: `name:address,...` lines for the container's /etc/hosts, as
             `docker run --add-host` (a network allowlist resolves these names so too).
+        unpacked_roots: GiB of images to keep unpacked in the scratch folder, from which
+            task containers start some four times as fast as from their .sif (0, the default:
+            none; fakeroot containers only; see harbor_hpc/apptainer/roots.py).
     """
 
     def __init__(
@@ -220,6 +225,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         memory_poll_interval_sec: float = 0.05,
         scratch_dir: Path | str | None = None,
         extra_hosts: str | None = None,
+        unpacked_roots: float | str = 0,
         **kwargs: Any,
     ) -> None:
         unknown = sorted(set(kwargs) - BASE_KWARGS)
@@ -245,6 +251,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._poll_interval = float(memory_poll_interval_sec)
         self._scratch_root = Path(scratch_dir).expanduser() if scratch_dir else None
         self._extra_hosts = parse_extra_hosts(extra_hosts)
+        roots_gib = float(unpacked_roots)
+        if roots_gib < 0:
+            raise ValueError(f"unpacked_roots is GiB to keep, 0 or more, not {unpacked_roots}")
+        # Only fakeroot containers see the owners an unpacked root keeps (roots.py).
+        self._roots = (
+            UnpackedRoots.on_node(self._scratch_root, roots_gib)
+            if roots_gib > 0 and self._fakeroot
+            else None
+        )
+        self._root_lease: Lease | None = None
         super().__init__(
             environment_dir=environment_dir,
             environment_name=environment_name,
@@ -399,6 +415,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         self._prepare_scratch()
         try:
+            if self._roots is not None:
+                await self._lease_root()
             await self._launch(flags)
             await self._start_services(flags, service_sifs)
             await self._start_entrypoint()
@@ -407,6 +425,20 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             await self.stop(delete=True)
             raise
         await self._upload_environment_dir_after_start()
+
+    async def _lease_root(self) -> None:
+        """Run the task container from its image unpacked on this node, where it can be."""
+        assert self._roots is not None and self._main is not None
+        began = time.monotonic()
+        self._root_lease = await asyncio.to_thread(self._roots.lease, self._main.sif)
+        if self._root_lease is not None:
+            self._main.root = self._root_lease.root
+            self.logger.debug(
+                "task %s: runs from %s (%.2f s)",
+                self.environment_name,
+                self._root_lease.root,
+                time.monotonic() - began,
+            )
 
     def _hosts(self, hostname: str) -> str:
         """/etc/hosts for a container of the pod named `hostname`: every service's name at
@@ -518,7 +550,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if self._gpus:
             binds += gpus.container_options(self._gpus)
         return task_container_command(
-            self._main.sif,
+            self._main.root or self._main.sif,
             flags,
             launcher(self.workdir),
             overlay=self._main.overlay,
@@ -835,6 +867,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 writable += self._volume_targets(self._compose.main.volumes)
             await self._main.stop(writable)
             self._main = None
+        if self._root_lease is not None:
+            self._root_lease.release()
+            self._root_lease = None
         if self._egress is not None:
             await self._egress.close()
             self._egress = None

@@ -105,9 +105,18 @@ def raw_config(sif: Path) -> dict[str, Any] | None:
     return None
 
 
-def root_partition(sif: Path) -> int | None:
-    """The descriptor id of the squashfs partition holding the image's root file system (what
-    `apptainer exec` mounts as /), or None (not a SIF, or its root is not squashfs)."""
+@dataclass(frozen=True)
+class RootPartition:
+    """Where in a SIF the image's root file system is: its descriptor id, and its bytes."""
+
+    id: int
+    offset: int
+    size: int
+
+
+def root_partition(sif: Path) -> RootPartition | None:
+    """The squashfs partition holding the image's root file system (what `apptainer exec`
+    mounts as /), or None (not a SIF, or its root is not squashfs)."""
     try:
         with sif.open("rb") as file:
             for kind, number, entry in _descriptors(file):
@@ -115,7 +124,8 @@ def root_partition(sif: Path) -> int | None:
                     _SQUASHFS,
                     _PRIMARY_SYSTEM,
                 ):
-                    return number
+                    _, _, _, _, _, offset, size = _DESCRIPTOR_FIXED.unpack_from(entry)
+                    return RootPartition(number, offset, size)
     except (OSError, struct.error):
         return None
     return None

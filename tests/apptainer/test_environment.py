@@ -617,9 +617,11 @@ def test_no_image_view_for_a_sif_path_a_bind_cannot_name(debian_sif: Path, tmp_p
     odd = tmp_path / "a,b:c.sif"
     odd.symlink_to(debian_sif)
     assert server_mounts(tmp_path, odd) == ["-B", f"{tmp_path}:/staging"]
+    partition = root_partition(debian_sif)
+    assert partition is not None
     assert server_mounts(tmp_path, debian_sif)[2:] == [
         "-B",
-        f"{debian_sif}:{IMAGE_VIEW}:id={root_partition(debian_sif)},image-src=/",
+        f"{debian_sif}:{IMAGE_VIEW}:id={partition.id},image-src=/",
     ]
 
 
@@ -636,7 +638,11 @@ def test_root_partition_is_the_one_apptainer_lists(debian_sif: Path) -> None:
         [find_apptainer(), "sif", "list", str(debian_sif)], capture_output=True, text=True
     ).stdout
     rows = [line.split("|") for line in listed.splitlines() if "Squashfs/*System" in line]
-    assert [int(row[0]) for row in rows] == [root_partition(debian_sif)]
+    partition = root_partition(debian_sif)
+    assert partition is not None
+    start, end = (int(part) for part in rows[0][3].split("-"))
+    assert [int(row[0]) for row in rows] == [partition.id]
+    assert (partition.offset, partition.size) == (start, end - start)
 
 
 @pytest.mark.apptainer

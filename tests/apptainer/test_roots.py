@@ -1,0 +1,134 @@
+"""Images unpacked on the node's disk (`unpacked_roots`): shared, kept owned as in the image,
+removed least recently used first but never while a container runs from them, and the .sif
+whenever unpacking fails. Real unsquashfs, unshare and Apptainer, as the tester."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
+from tests.apptainer.test_environment import started
+from tests.support.processes import container_processes, gone_within
+from tests.support.small_disk import small_disk
+
+pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
+
+
+def copy_of(sif: Path, folder: Path, name: str) -> Path:
+    """Another image as far as the roots go (its own path and time)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    copy = folder / name
+    shutil.copyfile(sif, copy)
+    return copy
+
+
+def processes_naming(folder: Path) -> list[str]:
+    """This user's processes whose command line names `folder` (a container run from a root)."""
+    return [
+        " ".join(process.info["cmdline"])
+        for process in psutil.process_iter(["cmdline", "uids"])
+        if process.info["uids"] is not None
+        and process.info["uids"].real == os.getuid()
+        and str(folder) in " ".join(process.info["cmdline"] or [])
+    ]
+
+
+def roots_in(folder: Path) -> list[str]:
+    return sorted(path.name for path in folder.iterdir() if path.is_dir())
+
+
+def test_containers_run_from_one_unpacked_root(debian_sif: Path, tmp_path: Path) -> None:
+    """Two trials of one image share one unpack; each writes only its own overlay; the kernel's
+    overlayfs serves it; every file has the owner, mode and size it has from the .sif."""
+    scratch = tmp_path / "scratch"
+    listing = (
+        # A folder's size is its file system's (0 through fuse-overlayfs, 4096 on ext4).
+        "find /usr /etc /var /opt /home /root \\( -type d -printf '%u:%g %m %p\\n' \\)"
+        " -o -printf '%u:%g %m %s %p\\n' 2>/dev/null | sort"
+        " | md5sum; id -u; touch /usr/made && echo wrote; grep ' / ' /proc/mounts | cut -d' ' -f3"
+    )
+
+    async def main() -> list[str]:
+        outputs = []
+        for name, roots in (("sif", 0), ("one", 2), ("two", 2)):
+            async with started(
+                debian_sif, tmp_path / name, scratch_dir=str(scratch), unpacked_roots=roots
+            ) as environment:
+                outputs.append((await environment.exec(listing)).stdout or "")
+        return outputs
+
+    from_sif, one, two = asyncio.run(main())
+    digest = from_sif.split()[0]
+    assert from_sif.endswith("0\nwrote\nfuse.fuse-overlayfs\n")
+    assert one == two == f"{digest}  -\n0\nwrote\noverlay\n"
+    folder = scratch / f"harbor-hpc-roots-{os.getuid()}"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    (root,) = roots_in(folder)
+    assert (folder / root / "usr" / "bin" / "python3").exists()
+    assert not (folder / root / "usr" / "made").exists()
+    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(10, lambda: processes_naming(folder)) == []
+
+
+def test_roots_in_use_stay_and_the_least_recently_used_go(debian_sif: Path, tmp_path: Path) -> None:
+    images = [copy_of(debian_sif, tmp_path / "images", f"{name}.sif") for name in "abc"]
+    roots = UnpackedRoots(tmp_path / "roots", cap_bytes=1)
+    a = roots.lease(images[0])
+    b = roots.lease(images[1])
+    assert a is not None and b is not None
+    assert len(roots_in(roots.folder)) == 2  # over the cap, but `a` is in use
+    b.release()
+    c = roots.lease(images[2])
+    assert c is not None
+    assert sorted(roots_in(roots.folder)) == sorted([a.root.name, c.root.name])  # b went
+    a.release()
+    c.release()
+
+
+def test_one_unpack_for_leases_at_once(debian_sif: Path, tmp_path: Path) -> None:
+    roots = UnpackedRoots(tmp_path / "roots", cap_bytes=1 << 40)
+    with ThreadPoolExecutor(3) as pool:
+        leases = list(pool.map(lambda _: roots.lease(debian_sif), range(3)))
+    assert all(lease is not None for lease in leases)
+    assert len({lease.root for lease in leases if lease is not None}) == 1
+    assert len(roots_in(roots.folder)) == 1
+    for lease in leases:
+        assert lease is not None
+        lease.release()
+
+
+@pytest.mark.small_disk
+def test_an_image_that_does_not_fit_runs_from_its_sif(debian_sif: Path, tmp_path: Path) -> None:
+    with small_disk(tmp_path, megabytes=16) as disk:
+        roots = UnpackedRoots(disk / "roots", cap_bytes=1 << 40)
+        assert roots.lease(debian_sif) is None
+        assert roots_in(roots.folder) == []  # nothing half-unpacked left
+        failed = [path.name for path in roots.folder.iterdir() if path.suffix == ".failed"]
+        assert len(failed) == 1
+        # Not tried again for a while: the next trial starts at once, from the .sif.
+        assert RETRY_AFTER_S >= 60 and roots.lease(debian_sif) is None
+
+        async def main() -> str:
+            async with started(
+                debian_sif, tmp_path / "env", unpacked_roots=2, scratch_dir=str(disk)
+            ) as environment:
+                ran = await environment.exec("grep ' / ' /proc/mounts | cut -d' ' -f3")
+                return ran.stdout or ""
+
+        assert asyncio.run(main()) == "fuse.fuse-overlayfs\n"
+
+
+def test_a_roots_folder_of_someone_else_is_not_used(debian_sif: Path, tmp_path: Path) -> None:
+    roots = UnpackedRoots(tmp_path / "roots", cap_bytes=1 << 40)
+    roots.folder.mkdir(mode=0o755)
+    roots.folder.chmod(0o755)  # open to others: not a private folder
+    assert roots.lease(debian_sif) is None
+    assert roots_in(roots.folder) == []
