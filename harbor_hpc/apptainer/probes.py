@@ -26,6 +26,7 @@ from pathlib import Path
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.network import ADMIN_HINT, egress_problem, own_network_problem
+from harbor_hpc.apptainer.roots import UNPACK_AS_ROOT
 from harbor_hpc.apptainer.runtime import (
     CANDIDATE_FLAGS,
     FAKEROOT,
@@ -69,6 +70,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         userns,
         setuid_finding(build_config),
         subid_finding(),
+        unpacked_roots_finding(),
         fuse_finding(),
         squashfuse_finding(build_config),
         network_finding(),
@@ -195,6 +197,31 @@ def subid_finding() -> Finding:
             "an admin installs the uidmap package",
         )
     return Finding("fakeroot ids", Status.OK, f"{user} has subuid and subgid ranges")
+
+
+def unpacked_roots_finding() -> Finding:
+    """Whether `unpacked_roots` can unpack images here, owners kept (roots.py)."""
+    if shutil.which("unsquashfs") is None:
+        return Finding(
+            "unpacked roots",
+            Status.WARN,
+            "no unsquashfs on PATH: `unpacked_roots` runs every image from its .sif",
+            "install squashfs-tools",
+        )
+    tried = run([*UNPACK_AS_ROOT, "true"])
+    if tried.ok:
+        return Finding(
+            "unpacked roots",
+            Status.OK,
+            "images unpack as fakeroot's root (`unpacked_roots`: starts without FUSE)",
+        )
+    return Finding(
+        "unpacked roots",
+        Status.WARN,
+        f"`{' '.join(UNPACK_AS_ROOT)}` fails ({tried.why()}): "
+        "`unpacked_roots` runs every image from its .sif",
+        "unshare of util-linux 2.38 or later, and the subuid and subgid ranges above",
+    )
 
 
 def _has_subid_range(path: str, user: str, uid: str) -> bool:
