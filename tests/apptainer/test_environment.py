@@ -248,6 +248,10 @@ def oracle_trials(
         ),
         "failing setup": (make_task(root, str(debian_sif), solve, files={"setup.sh": failing}), ()),
         "registry": (make_task(root, nopython_ref, solve), from_store),
+        "unpacked root": (
+            make_task(root, str(debian_sif), solve),
+            ("unpacked_roots=2", f"scratch_dir={root / 'scratch'}"),
+        ),
     }
     trials = root / "trials"
     running = {name: start_trial(task, trials, *kwargs) for name, (task, kwargs) in tasks.items()}
@@ -268,6 +272,19 @@ def test_oracle_plain_task(oracle_trials: dict[str, OracleTrial], debian_sif: Pa
     # Root in the container, but what the trial left on the host is the user's.
     assert {path.stat().st_uid for path in trial.folder.rglob("*")} == {os.getuid()}
     assert gone_within(10, lambda: container_processes(debian_sif)) == []
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
+def test_oracle_from_an_unpacked_root(oracle_trials: dict[str, OracleTrial]) -> None:
+    """`--environment-kwarg unpacked_roots=...` through Harbor's CLI: the trial ran from the
+    image unpacked in its scratch folder."""
+    trial = oracle_trials["unpacked root"]
+    assert trial.result["exception_info"] is None
+    assert reward(trial.result) == 1.0
+    roots = trial.folder.parent.parent / "scratch" / f"harbor-hpc-roots-{os.getuid()}"
+    assert [path.name for path in roots.iterdir() if path.is_dir()] != []
 
 
 @pytest.mark.apptainer
