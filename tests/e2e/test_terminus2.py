@@ -125,9 +125,10 @@ def test_terminus2_gets_reward_one_by_harbor_trial_and_through_submit_on_slurm(
     llms: tuple[ScriptedLLM, ScriptedLLM],
     tmp_path: Path,
 ) -> None:
-    """The same task twice at once: `harbor trial start` on this node, and `harbor-hpc submit`
-    on Slurm (most of either is waiting: on Slurm, on the model, on tmux); then the Slurm run
-    exported in every format."""
+    """The same task twice at once: `harbor trial start` on this node from the .sif, and
+    `harbor-hpc submit` on Slurm from the image unpacked on the node (`unpacked_roots`; most of
+    either is waiting: on Slurm, on the model, on tmux); then the Slurm run exported in every
+    format."""
     direct_llm, slurm_llm = llms
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
     trials = tmp_path / "trials"
@@ -136,10 +137,11 @@ def test_terminus2_gets_reward_one_by_harbor_trial_and_through_submit_on_slurm(
                "-e", ENVIRONMENT, "--trials-dir", str(trials)]  # fmt: skip
     direct = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        run_dir = tmp_path / "run"
+        run_dir, scratch = tmp_path / "run", tmp_path / "scratch"
         submitted = cli_json(
             "submit", str(task.parent), *agent_args(slurm_llm), "--run-dir", str(run_dir),
-            "--executor", "slurm", "--wait",
+            "--executor", "slurm", "--wait", "--environment-kwarg", "unpacked_roots=2",
+            "--environment-kwarg", f"scratch_dir={scratch}",
         )  # fmt: skip
         output, _ = direct.communicate(timeout=600)
     finally:
@@ -152,6 +154,8 @@ def test_terminus2_gets_reward_one_by_harbor_trial_and_through_submit_on_slurm(
     (status,) = cli_json("status", str(run_dir))
     assert (status["state"], status["reward"], status["failure"]) == ("done", 1.0, None), status
     assert_solved_with_the_servers_tokens(run_dir / "trials" / status["trial"], slurm_llm)
+    roots = scratch / f"harbor-hpc-roots-{os.getuid()}"
+    assert [path for path in roots.iterdir() if path.is_dir()] != []
 
     sent = slurm_llm.exchanges
     (line,) = export(run_dir, "full", tmp_path)
