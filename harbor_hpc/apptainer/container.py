@@ -152,9 +152,14 @@ class Container:
         if files is not None and files.is_dir():
             shutil.copytree(files, self.staging / "env_files", symlinks=True)
 
+    @property
+    def image_path(self) -> Path:
+        """What Apptainer runs: the unpacked root where there is one, else the .sif."""
+        return self.root or self.sif
+
     def mounts(self) -> list[str]:
         """Apptainer's options mounting what this container's server needs (`server_mounts`)."""
-        return server_mounts(self.staging, self.root or self.sif)
+        return server_mounts(self.staging, self.image_path)
 
     async def launch(self, command: Sequence[str]) -> None:
         """Start `command` (which runs `launcher`) and wait for the server's greeting."""

@@ -550,7 +550,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if self._gpus:
             binds += gpus.container_options(self._gpus)
         return task_container_command(
-            self._main.root or self._main.sif,
+            self._main.image_path,
             flags,
             launcher(self.workdir),
             overlay=self._main.overlay,

@@ -11,12 +11,11 @@ import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 
 from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
 from tests.apptainer.test_environment import started
-from tests.support.processes import container_processes, gone_within
+from tests.support.processes import container_processes, gone_within, processes_naming
 from tests.support.small_disk import small_disk
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
@@ -28,17 +27,6 @@ def copy_of(sif: Path, folder: Path, name: str) -> Path:
     copy = folder / name
     shutil.copyfile(sif, copy)
     return copy
-
-
-def processes_naming(folder: Path) -> list[str]:
-    """This user's processes whose command line names `folder` (a container run from a root)."""
-    return [
-        " ".join(process.info["cmdline"])
-        for process in psutil.process_iter(["cmdline", "uids"])
-        if process.info["uids"] is not None
-        and process.info["uids"].real == os.getuid()
-        and str(folder) in " ".join(process.info["cmdline"] or [])
-    ]
 
 
 def roots_in(folder: Path) -> list[str]:
@@ -75,7 +63,7 @@ def test_containers_run_from_one_unpacked_root(debian_sif: Path, tmp_path: Path)
     assert (folder / root / "usr" / "bin" / "python3").exists()
     assert not (folder / root / "usr" / "made").exists()
     assert gone_within(10, lambda: container_processes(debian_sif)) == []
-    assert gone_within(10, lambda: processes_naming(folder)) == []
+    assert gone_within(10, lambda: [str(p.pid) for p in processes_naming(str(folder))]) == []
 
 
 def test_roots_in_use_stay_and_the_least_recently_used_go(debian_sif: Path, tmp_path: Path) -> None:

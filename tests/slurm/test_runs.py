@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import stat
@@ -25,6 +24,7 @@ from harbor_hpc.results.record import RunPaths, load_run, read_markers
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
 from tests.support.probe_agent import AGENT, seen_by
+from tests.support.processes import processes_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import fill, small_disk, unfill
 from tests.support.users import other_user_command
@@ -383,14 +383,7 @@ def rerun_to_reward_one(
 
 def test_a_killed_worker_is_finished_by_resubmit(debian_sif: Path, tmp_path: Path) -> None:
     run_dir, tasks, jobs = start_two_trials(debian_sif, tmp_path, "sleepy")
-    workers = [
-        p
-        for p in psutil.process_iter(["cmdline", "uids"])
-        if p.info["uids"]
-        and p.info["uids"].real == os.getuid()
-        and str(run_dir) in " ".join(p.info["cmdline"] or [])
-        and "submitit" in " ".join(p.info["cmdline"] or [])
-    ]
+    workers = processes_naming(str(run_dir), "submitit")
     assert workers, "no worker process found"
     killed = 0
     for worker in workers:

@@ -74,6 +74,16 @@ def _user_namespace(pid: int) -> str | None:
         return None
 
 
+def processes_naming(*parts: str) -> list[psutil.Process]:
+    """This user's processes whose command line holds each of `parts`."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "uids"]):
+        uids, cmdline = process.info["uids"], " ".join(process.info["cmdline"] or [])
+        if uids is not None and uids.real == os.getuid() and all(p in cmdline for p in parts):
+            found.append(process)
+    return found
+
+
 def gone_within(seconds: float, still: Callable[[], list[str]]) -> list[str]:
     """What `still()` lists once it lists nothing, or after `seconds`."""
     deadline = time.monotonic() + seconds
