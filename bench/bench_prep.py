@@ -1,6 +1,6 @@
 """Speed of the prep steps on a dataset shaped like the one users name: 10,000 tasks, few images.
 
-Makes the tasks in a temporary folder (or --root), then times, through the same module code the
+Makes the tasks in a temporary folder (or --root), then times, each from a flushed disk, through the same module code the
 CLI runs (goals for 10,000 tasks on an idle machine, scaled linearly for other sizes):
   floor    read and SHA-256 every file of the tasks: the least any step that reads them costs
   plan     discover + hash every build context (what `build --dry-run` does)  goal 1.5 s
@@ -95,6 +95,10 @@ def floor(root: Path) -> int:
 
 
 def timed[T](action: Callable[[], T]) -> tuple[T, float]:
+    """`action`'s result and seconds, from a disk with nothing waiting to be written, as after
+    the minutes between a fetch, a build and a rewrite: a step that flushes to disk would
+    otherwise also write what the steps before it wrote (the tasks made, access times)."""
+    os.sync()
     start = time.perf_counter()
     result = action()
     return result, time.perf_counter() - start

@@ -16,23 +16,50 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A new temporary file in `path`'s folder (made if missing), open: (descriptor, name)."""
+    try:
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _remove(tmp: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+
+
+def _undo(tmps: list[str], exc: BaseException, path: Path) -> NoReturn:
+    """Remove the temporary files `tmps`, then raise `exc`; an OSError that names no file (a
+    full disk or quota surfaces in write(), which names none) is named after `path`."""
+    for tmp in tmps:
+        _remove(tmp)
+    if isinstance(exc, OSError) and exc.filename is None:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
+    raise exc
 
 
 @contextlib.contextmanager
 def _replacing(path: Path) -> Iterator[tuple[int, Path]]:
     """A temporary file beside `path`, open (its descriptor) for the block to fill; renamed over
     `path` when the block ends, removed when it raises. The folder is made if it is missing."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_beside(path)
     try:
         try:
             yield fd, Path(tmp)
@@ -40,12 +67,7 @@ def _replacing(path: Path) -> Iterator[tuple[int, Path]]:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.filename is None:
-            # A full disk or quota surfaces in write(), which names no file: name it.
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
-        raise
+        _undo([tmp], exc, path)
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> None:
@@ -56,11 +78,111 @@ def atomic_write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> N
         except FileNotFoundError:
             mode = 0o666 & ~_umask()
     with _replacing(path) as (fd, _):
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
         os.fsync(fd)
         os.fchmod(fd, mode)
+
+
+class Replacements[K]:
+    """Many files replaced at once, each as `atomic_write_bytes` replaces one (a reader sees the
+    old file or the new, never half), with one wait for the disk for all of them.
+
+    `stage` writes a group of new files beside the ones they replace (all of a group or none),
+    from any thread; `commit` makes every staged file durable, then renames each into place.
+    A fsync per file costs a disk flush each, which for thousands of task.toml files is most
+    of the time; from `SYNC_EACH_BELOW` files on, each filesystem written is flushed once
+    (`syncfs`) instead. What was staged but not renamed when the block ends is removed.
+    """
+
+    # Fewer files than this are flushed one by one: syncing a whole filesystem (what other
+    # processes wrote to it as well) is worth it only for many.
+    SYNC_EACH_BELOW = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._staged: dict[K, list[tuple[str, Path]]] = {}
+        self._folders: dict[int, str] = {}  # a folder on each filesystem written (by device)
+
+    def __enter__(self) -> Replacements[K]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for group in self._staged.values():
+            for tmp, _ in group:
+                _remove(tmp)
+        self._staged.clear()
+
+    def stage(self, key: K, files: list[tuple[Path, bytes, int]]) -> None:
+        """Write the new content of each (path, data, permissions) beside its path, as the
+        group `key`. Raises OSError naming the file, having written none of the group."""
+        if not files:
+            return
+        group: list[tuple[str, Path]] = []
+        path = files[0][0]
+        try:
+            for path, data, mode in files:
+                fd, tmp = _temp_beside(path)
+                group.append((tmp, path))
+                try:
+                    _write_all(fd, data)
+                    os.fchmod(fd, mode)
+                    device = os.fstat(fd).st_dev
+                finally:
+                    os.close(fd)
+                with self._lock:
+                    self._folders.setdefault(device, str(path.parent))
+        except BaseException as exc:
+            _undo([tmp for tmp, _ in group], exc, path)
+        with self._lock:
+            self._staged[key] = group
+
+    def commit(self) -> dict[K, OSError]:
+        """Flush every staged file to disk, then rename each into place; the groups that could
+        not be, with why (a group whose flush failed is left as it was; of a group whose rename
+        failed, the files renamed before stay)."""
+        staged, self._staged = self._staged, {}
+        failed: dict[K, OSError] = {}
+        try:
+            self._flush(staged)
+        except OSError as exc:
+            failed = dict.fromkeys(staged, exc)
+        for key, group in staged.items():
+            for tmp, path in group:
+                try:
+                    if key not in failed:
+                        os.replace(tmp, path)
+                        continue
+                except OSError as exc:  # the rest of the group stays as it was
+                    failed[key] = OSError(exc.errno, exc.strerror, str(path))
+                _remove(tmp)
+        return failed
+
+    def _flush(self, staged: dict[K, list[tuple[str, Path]]]) -> None:
+        names = [tmp for group in staged.values() for tmp, _ in group]
+        if len(names) < self.SYNC_EACH_BELOW:
+            for name in names:
+                fd = os.open(name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            return
+        for folder in self._folders.values():
+            _syncfs(folder)
+
+
+def _syncfs(folder: str) -> None:
+    """Flush everything written to the filesystem that holds `folder` (syncfs(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if libc.syncfs(fd) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error), folder)
+    finally:
+        os.close(fd)
 
 
 def atomic_copy(source: Path, path: Path) -> None:
@@ -77,6 +199,25 @@ def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None
 
 def atomic_write_json(path: Path, data: Any, *, mode: int | None = None) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n", mode=mode)
+
+
+def read_small(path: str) -> tuple[bytes, os.stat_result]:
+    """A small file's bytes (a link followed) and its status, through one descriptor: no
+    buffered file object, which costs more than the read for the many small files of a dataset."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        info = os.fstat(fd)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks), info
+
+
+def text_of(data: bytes, errors: str = "strict") -> str:
+    """Bytes as a text file reads them (`Path.read_text`): UTF-8, every kind of newline "\\n"."""
+    return data.decode(errors=errors).replace("\r\n", "\n").replace("\r", "\n")
 
 
 def read_json(path: Path) -> Any:

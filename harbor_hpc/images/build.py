@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
@@ -46,11 +47,12 @@ from typing import Any
 
 from harbor_hpc.core.batch import Step, done, failed
 from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.files import text_of
 from harbor_hpc.images.context import DOCKERFILE, FileDigests, context_hash
 from harbor_hpc.images.dockerfile import read_dockerfile
 from harbor_hpc.images.engine import BuilderKind
 from harbor_hpc.images.reference import Reference
-from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
+from harbor_hpc.tasks.discovery import Task, TaskProblem, compose_file, discover_tasks
 from harbor_hpc.tasks.manifest import (
     ImageRecord,
     Manifest,
@@ -222,24 +224,33 @@ def plan_build(
     target = Reference.registry_target(registry) if registry else Reference("", "")
     with _ContextHashes(jobs, given) as hashes:
         # Each task's environment is hashed from the moment the walk finds it.
-        discovery = discover_tasks(root, found=lambda task: hashes.add(task, task.environment_dir))
+        discovery = discover_tasks(
+            root, found=lambda task: hashes.add(task.rel, "", task.environment_dir)
+        )
         plan = BuildPlan(discovery.root, target, {}, {}, discovery.problems, build_args=given)
-        # (task, context folder, role): the environment's (role ""), separate verifiers'
-        # (VERIFIER), compose services' (the service's name).
-        roles = [(task, task.environment_dir, "") for task in discovery.tasks]
-        roles += [
-            (task, task.verifier_build_dir, VERIFIER)
+        verifiers = [
+            (task, folder, VERIFIER)
             for task in discovery.tasks
-            if task.verifier_build_dir is not None
+            if (folder := task.verifier_build_dir) is not None
         ]
-        for task in discovery.tasks:
-            roles += [(task, folder, service) for service, folder in _compose_contexts(task, plan)]
-        for task, folder, role in roles:
-            if role:
-                hashes.add(task, folder)
+        for task, folder, role in verifiers:
+            hashes.add(task.rel, role, folder)
         contexts = hashes.results()
+        # The hashing saw which environments hold a compose file: their services' contexts.
+        services = [
+            (task, folder, service)
+            for task in discovery.tasks
+            if contexts[(task.rel, "")][1]
+            for service, folder in _compose_contexts(task, plan)
+        ]
+        for task, folder, role in services:
+            hashes.add(task.rel, role, folder)
+        contexts.update(hashes.results())
+    # (task, context folder, role): the environment's (role ""), separate verifiers'
+    # (VERIFIER), compose services' (the service's name).
+    roles = [(task, task.environment_dir, "") for task in discovery.tasks] + verifiers + services
     for task, folder, role in roles:
-        step = contexts[(task.rel, folder)]
+        step = contexts[(task.rel, role)][0]
         if step.value is None:
             if role == VERIFIER:
                 plan.verifier_errors[task.rel] = step.reason
@@ -276,15 +287,15 @@ def plan_build(
 class _ContextHashes:
     """Build contexts hashed as they are named (`add`): in this process while they are few, in
     `jobs` worker processes once there are many (batches go out while the rest are still being
-    found); `results` waits for every one."""
+    found); `results` waits for every one named since it was last called."""
 
     def __init__(self, jobs: int, build_args: dict[str, str]) -> None:
         self._jobs = jobs
         self._build_args = build_args
         self._workers = _hashing_workers() if jobs > 1 else None
         self._pool: ProcessPoolExecutor | None = None
-        self._waiting: list[_Place] = []
-        self._sent: list[tuple[list[_Place], Future[list[Step[_Context]]]]] = []
+        self._waiting: list[tuple[str, str, str]] = []
+        self._sent: list[tuple[list[tuple[str, str, str]], Future[list[_Hashed]]]] = []
 
     def __enter__(self) -> _ContextHashes:
         return self
@@ -293,8 +304,9 @@ class _ContextHashes:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def add(self, task: Task, folder: Path) -> None:
-        self._waiting.append((task.rel, folder, self._build_args))
+    def add(self, task: str, role: str, folder: Path) -> None:
+        """Hash `folder`, the context of `task`'s `role` (see `plan_build`)."""
+        self._waiting.append((task, role, str(folder)))
         if self._workers is None:
             return
         if self._pool is None and len(self._waiting) >= _PARALLEL_HASH_MIN:
@@ -307,19 +319,22 @@ class _ContextHashes:
     def _send(self) -> None:
         assert self._pool is not None
         batch, self._waiting = self._waiting, []
-        self._sent.append((batch, self._pool.submit(_hash_in_worker, batch)))
+        self._sent.append((batch, self._pool.submit(_hash_in_worker, batch, self._build_args)))
 
-    def results(self) -> dict[tuple[str, Path], Step[_Context]]:
-        """Each context's hash (or why it has none), by (task, context folder)."""
+    def results(self) -> dict[tuple[str, str], _Hashed]:
+        """Each context's hash (or why it has none), by (task, role)."""
         if self._pool is None:
             hashing = _Hashing()
-            return {(p[0], p[1]): _task_context(p, hashing) for p in self._waiting}
+            batch, self._waiting = self._waiting, []
+            hashed = _hash_in_worker(batch, self._build_args, hashing)
+            return {(task, role): out for (task, role, _), out in zip(batch, hashed, strict=True)}
         if self._waiting:
             self._send()
+        sent, self._sent = self._sent, []
         return {
-            (rel, folder): step
-            for batch, future in self._sent
-            for (rel, folder, _), step in zip(batch, future.result(), strict=True)
+            (task, role): out
+            for batch, future in sent
+            for (task, role, _), out in zip(batch, future.result(), strict=True)
         }
 
 
@@ -337,16 +352,15 @@ def _hashing_workers() -> multiprocessing.context.ForkServerContext:
 def _compose_contexts(task: Task, plan: BuildPlan) -> list[tuple[str, Path]]:
     """The task's compose services' `build:` contexts, (service, folder); their `image:`
     references into `plan.service_references`, and what cannot run into `plan.compose`."""
-    from harbor_hpc.tasks.compose import UnsupportedCompose, compose_file, load_compose
+    from harbor_hpc.tasks.compose import UnsupportedCompose, load_compose
 
-    if compose_file(task.environment_dir) is None:
-        return []
     try:
         compose = load_compose(task.environment_dir)
     except UnsupportedCompose as exc:
         plan.compose[task.rel] = str(exc)
         return []
-    assert compose is not None
+    if compose is None:  # its compose file went away since
+        return []
     contexts = []
     for service in compose.services:
         # A context wins over an `image:` (which `rewrite` sets to what the context built).
@@ -379,21 +393,33 @@ def _reset_worker_hashing() -> None:
     _worker_hashing = _Hashing()
 
 
-# A place to hash: (task, context folder, every build arg given).
-_Place = tuple[str, Path, dict[str, str]]
 # A hashed context: its hash and the build args of those given that its Dockerfile declares.
 _Context = tuple[str, dict[str, str]]
+# What hashing a context found: its hash (or why it has none), and, for a task's own
+# environment, whether it holds a compose file.
+_Hashed = tuple[Step[_Context], bool]
 
 
-def _hash_in_worker(batch: list[_Place]) -> list[Step[_Context]]:
-    return [_task_context(place, _worker_hashing) for place in batch]
+def _hash_in_worker(
+    batch: list[tuple[str, str, str]], build_args: dict[str, str], hashing: _Hashing | None = None
+) -> list[_Hashed]:
+    """Each (task, role, context folder) of `batch` hashed."""
+    hashing = hashing or _worker_hashing
+    return [
+        (
+            _task_context(task, folder, build_args, hashing),
+            not role and compose_file(Path(folder)) is not None,
+        )
+        for task, role, folder in batch
+    ]
 
 
-def _task_context(place: _Place, hashing: _Hashing) -> Step[_Context]:
+def _task_context(
+    rel: str, context: str, build_args: dict[str, str], hashing: _Hashing
+) -> Step[_Context]:
     """A task's context hash, or why it cannot be built as its own context."""
-    rel, context, build_args = place
     try:
-        text = (context / DOCKERFILE).read_text(errors="replace")
+        text = text_of(hashing.digests.read(os.path.join(context, DOCKERFILE)), "replace")
         memo = (text, tuple(build_args.items()))
         known = hashing.dockerfiles.get(memo)
         if known is None:
@@ -402,14 +428,14 @@ def _task_context(place: _Place, hashing: _Hashing) -> Step[_Context]:
             known = hashing.dockerfiles[memo] = (outside, set(dockerfile.args))
         outside, declared = known
         if outside is not None:
-            folder = context.name
+            folder = os.path.basename(context)
             return failed(
                 f"{rel}/{folder}/Dockerfile: {outside} reaches outside the "
                 f"build context ({folder}/), which Docker does not send; move the file into "
                 f"{folder}/"
             )
         used = {key: value for key, value in build_args.items() if key in declared}
-        return done((context_hash(context, hashing.digests, used), used))
+        return done((context_hash(Path(context), hashing.digests, used), used))
     except OSError as exc:
         where = exc.filename or context
         return failed(f"cannot read the build context: {where}: {exc.strerror}")

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from harbor_hpc.core.files import read_small
 from harbor_hpc.images.dockerfile import escapes_context, is_glob
 
 DOCKERFILE = "Dockerfile"
@@ -36,23 +37,25 @@ _HASH_VERSION = b"harbor-hpc-context-v1\n"
 _CHUNK = 1 << 20
 
 
-def dockerignore_patterns(context: Path) -> list[str]:
-    """The `.dockerignore` patterns, read as docker-py's `build` reads them."""
+def dockerignore_patterns(context: Path, digests: FileDigests | None = None) -> list[str]:
+    """The `.dockerignore` patterns, read as docker-py's `build` reads them (through `digests`,
+    which then knows the file's digest)."""
+    path = os.path.join(context, DOCKERIGNORE)
     try:
-        text = (context / DOCKERIGNORE).read_text()
+        text = (digests.read(path) if digests else Path(path).read_bytes()).decode()
     except FileNotFoundError:
         return []
     return [line.strip() for line in text.splitlines() if line.strip() and line.strip()[0] != "#"]
 
 
-def context_files(context: Path) -> list[str]:
+def context_files(context: Path, digests: FileDigests | None = None) -> list[str]:
     """Relative paths (files, folders, links) that Docker sends for `context`, sorted.
 
     The walk of docker-py's `exclude_paths`, entry for entry, with its own `PatternMatcher`
     deciding what is ignored; only faster: one `scandir` per folder, and each path's verdict
     remembered per set of patterns, as tasks of a dataset share their files' names.
     """
-    ignored = _ignored(tuple(dockerignore_patterns(context)))
+    ignored = _ignored(tuple(dockerignore_patterns(context, digests)))
     found: list[str] = []
     folders = [(str(context), "")]
     while folders:
@@ -154,7 +157,19 @@ class FileDigests:
                 hasher.update(chunk)
         finally:
             os.close(fd)
-        value = hasher.digest()
+        return self._remember(key, hasher.digest())
+
+    def read(self, path: str) -> bytes:
+        """A small file's content (a link followed), its digest remembered on the way, so a
+        file both read and hashed (the Dockerfile, `.dockerignore`) is read once."""
+        data, info = read_small(path)
+        self._remember(
+            (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size),
+            hashlib.sha256(data).digest(),
+        )
+        return data
+
+    def _remember(self, key: tuple[int, int, int, int], value: bytes) -> bytes:
         with self._lock:
             self._known[key] = value
         return value
@@ -170,7 +185,7 @@ def context_hash(
     digests = digests or FileDigests()
     hasher = hashlib.sha256(_HASH_VERSION)
     root = str(context)
-    for rel in context_files(context):
+    for rel in context_files(context, digests):
         full = os.path.join(root, rel)
         info = os.lstat(full)
         mode = info.st_mode

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from harbor_hpc.tasks.discovery import COMPOSE_FILES
+from harbor_hpc.tasks.discovery import compose_file
 
 MAIN = "main"
 # Keys that change nothing a task can see in one pod (publishing ports to the host, restart
@@ -186,18 +186,6 @@ class Compose:
 
     def names(self) -> list[str]:
         return [MAIN, *(service.name for service in self.services)]
-
-
-def compose_file(environment_dir: Path) -> Path | None:
-    """The task's own compose file, as Harbor's Docker environment finds it."""
-    try:  # one listing, rather than a stat of each name (nearly every task has none)
-        present = set(os.listdir(environment_dir))
-    except OSError:  # no such folder, or one we may not list: ask for each name
-        present = set(COMPOSE_FILES)
-    for name in COMPOSE_FILES:
-        if name in present and (environment_dir / name).is_file():
-            return environment_dir / name
-    return None
 
 
 def load_compose(environment_dir: Path, extra: Sequence[Path] = ()) -> Compose | None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harbor_hpc.core.errors import InputError
+from harbor_hpc.core.files import read_small, text_of
 
 if TYPE_CHECKING:  # Harbor's models load when a task is read, not with every command
     from harbor.models.task.config import TaskConfig
@@ -30,6 +31,18 @@ DOCKERFILE = "Dockerfile"
 # Compose files (services beside the task's own container), as Harbor's Docker environment
 # looks for them.
 COMPOSE_FILES = ("docker-compose.yaml", "docker-compose.yml", "compose.yaml", "compose.yml")
+
+
+def compose_file(environment_dir: Path) -> Path | None:
+    """The task's own compose file, as Harbor's Docker environment finds it."""
+    try:  # one listing, rather than a stat of each name (nearly every task has none)
+        present = set(os.listdir(environment_dir))
+    except OSError:  # no such folder, or one we may not list: ask for each name
+        present = set(COMPOSE_FILES)
+    for name in COMPOSE_FILES:
+        if name in present and (environment_dir / name).is_file():
+            return environment_dir / name
+    return None
 
 
 @dataclass(frozen=True)
@@ -220,7 +233,7 @@ def _load(
     config, or why Harbor refuses it), so equal files are parsed and validated once."""
     toml_path = path / TASK_FILE
     try:
-        text = toml_path.read_text()
+        text = text_of(read_small(str(toml_path))[0])
     except UnicodeDecodeError as exc:
         return TaskProblem(toml_path, f"not valid TOML ({exc})")
     except OSError as exc:

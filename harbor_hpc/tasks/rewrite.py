@@ -31,7 +31,6 @@ import os
 import re
 import stat
 import tomllib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,11 +39,10 @@ import tomlkit
 import tomlkit.exceptions
 import yaml
 
-from harbor_hpc.core.batch import Step, done, skipped
+from harbor_hpc.core.batch import Step, done, map_in_threads, skipped
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.core.files import atomic_write_bytes
-from harbor_hpc.tasks.compose import compose_file
-from harbor_hpc.tasks.discovery import Task, TaskProblem, discover_tasks
+from harbor_hpc.core.files import Replacements, read_small
+from harbor_hpc.tasks.discovery import Task, TaskProblem, compose_file, discover_tasks
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, load_manifest
 
 ENVIRONMENT = ("environment",)
@@ -131,7 +129,8 @@ def rewrite_tasks(
         try:
             # A symlink's target is what changes: the link stays, pointing at the edited file.
             path = where.resolve(strict=True) if where.is_symlink() else where
-            old = path.read_bytes().decode()  # bytes as they are: no newline translation
+            data, status = read_small(str(path))
+            old = data.decode()  # bytes as they are: no newline translation
             if verifier == task.verifier_docker_image:
                 verifier = None
             new = edited.get((old, target, verifier))
@@ -140,17 +139,17 @@ def rewrite_tasks(
                 if verifier is not None:
                     new = set_docker_image(new, verifier, table=VERIFIER_ENVIRONMENT)
                 edited[(old, target, verifier)] = new
-            files = [(path, old, new)]
+            files = [(path, old, new, status)]
             compose = compose_file(task.environment_dir) if services else None
             if compose is not None:
                 where = compose
                 path = compose.resolve(strict=True)
-                old = path.read_bytes().decode()
-                new = old
+                data, status = read_small(str(path))
+                old = new = data.decode()
                 for service, image in sorted(services.items()):
                     new = set_service_image(new, service, image)
-                files.append((path, old, new))
-            changed = [(p, a, b, _writable_mode(p)) for p, a, b in files if a != b]
+                files.append((path, old, new, status))
+            changed = [(p, a, b, _writable_mode(p, s)) for p, a, b, s in files if a != b]
             return _Edit(
                 task,
                 [(p, a, b, mode) for p, a, b, mode in changed if mode is not None],
@@ -159,33 +158,23 @@ def rewrite_tasks(
         except (OSError, ValueError) as exc:
             return TaskProblem(where, f"not rewritten: {exc}")
 
-    def write(change: _Edit) -> TaskProblem | None:
-        for path, _, new, mode in change.files:
-            try:
-                atomic_write_bytes(path, new.encode(), mode=mode)
-            except OSError as exc:  # the folder not writable, a full disk: this task only
-                return TaskProblem(path, f"not written: {exc.strerror or exc}")
-        return None
-
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        changes: list[_Edit] = []
-        for outcome in pool.map(edit, edits):
-            if isinstance(outcome, TaskProblem):
-                result.problems.append(outcome)
-            elif outcome.locked:
-                result.skipped[outcome.task.rel] = (
-                    f"{outcome.locked[0]}: read-only: chmod u+w it to let rewrite change it"
-                )
-            elif not outcome.files:
-                result.unchanged.append(outcome.task.rel)
-            else:
-                changes.append(outcome)
-        written: list[TaskProblem | None] = (
-            [None] * len(changes) if dry_run else list(pool.map(write, changes))
-        )
-    for change, problem in zip(changes, written, strict=True):
-        if problem is not None:
-            result.problems.append(problem)
+    changes: list[_Edit] = []
+    for outcome in map_in_threads(edit, edits, jobs):
+        if isinstance(outcome, TaskProblem):
+            result.problems.append(outcome)
+        elif outcome.locked:
+            result.skipped[outcome.task.rel] = (
+                f"{outcome.locked[0]}: read-only: chmod u+w it to let rewrite change it"
+            )
+        elif not outcome.files:
+            result.unchanged.append(outcome.task.rel)
+        else:
+            changes.append(outcome)
+    problems = {} if dry_run else _write(changes, jobs)
+    for change in changes:
+        if (error := problems.get(change.task.rel)) is not None:
+            where = Path(error.filename) if error.filename else change.task.task_toml
+            result.problems.append(TaskProblem(where, f"not written: {error.strerror or error}"))
             continue
         result.changed.append(change.task.rel)
         if dry_run:
@@ -194,6 +183,24 @@ def rewrite_tasks(
             )
     result.unchanged.sort()
     return result
+
+
+def _write(changes: list[_Edit], jobs: int) -> dict[str, OSError]:
+    """Write every change (each task's files all or none); the tasks whose files could not be
+    written (the folder not writable, a full disk: those tasks only), with why."""
+
+    def stage(change: _Edit) -> tuple[str, OSError] | None:
+        try:
+            batch.stage(
+                change.task.rel, [(p, new.encode(), mode) for p, _, new, mode in change.files]
+            )
+        except OSError as exc:
+            return change.task.rel, exc
+        return None
+
+    with Replacements[str]() as batch:
+        unstaged = dict(f for f in map_in_threads(stage, changes, jobs) if f is not None)
+        return {**unstaged, **batch.commit()}
 
 
 @dataclass(frozen=True)
@@ -206,11 +213,10 @@ class _Edit:
     locked: list[Path]
 
 
-def _writable_mode(path: Path) -> int | None:
-    """`path`'s permissions, or None where the user took write permission away from it (or its
-    target): its owner's write bit is off, or we may not write it. A rename over it would
-    succeed all the same."""
-    status = path.stat()
+def _writable_mode(path: Path, status: os.stat_result) -> int | None:
+    """`path`'s permissions (`status`, its target's if a link), or None where the user took write
+    permission away from it: its owner's write bit is off, or we may not write it. A rename over
+    it would succeed all the same."""
     if not status.st_mode & stat.S_IWUSR or (
         status.st_uid != os.geteuid() and not os.access(path, os.W_OK)
     ):

@@ -8,6 +8,7 @@ import pytest
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import (
     LockTimeout,
+    Replacements,
     atomic_write_json,
     atomic_write_text,
     file_lock,
@@ -32,6 +33,48 @@ def test_failed_write_leaves_old_content_and_no_temp(tmp_path: Path) -> None:
         atomic_write_json(target, {"a": object()})
     assert read_json(target) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["data.json"]
+
+
+@pytest.mark.parametrize("count", [3, Replacements.SYNC_EACH_BELOW])  # a fsync each; one syncfs
+def test_replacements_write_every_group_or_none_of_it(tmp_path: Path, count: int) -> None:
+    paths = [tmp_path / f"t{index}" / "task.toml" for index in range(count)]
+    for path in paths:
+        path.parent.mkdir()
+        path.write_text("old")
+    blocked = tmp_path / "t0" / "not-a-folder"
+    blocked.write_text("a file")
+    with Replacements[int]() as batch:
+        with pytest.raises(NotADirectoryError):  # its first file is staged, its second cannot be
+            batch.stage(0, [(paths[0], b"new", 0o600), (blocked / "compose.yaml", b"x", 0o644)])
+        for index, path in enumerate(paths[1:], start=1):
+            batch.stage(index, [(path, b"new %d" % index, 0o640)])
+        assert paths[1].read_text() == "old"  # nothing is renamed before the commit
+        assert batch.commit() == {}
+    assert paths[0].read_text() == "old"
+    for index, path in enumerate(paths[1:], start=1):
+        assert path.read_text() == f"new {index}"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_replacements_name_a_rename_that_fails_and_leave_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "folder" / "inside").mkdir(parents=True)  # a file cannot replace a full folder
+    with Replacements[str]() as batch:
+        batch.stage("folder", [(tmp_path / "folder", b"new", 0o644)])
+        batch.stage("file", [(tmp_path / "file", b"new", 0o644)])
+        failed = batch.commit()
+    assert list(failed) == ["folder"] and failed["folder"].filename == str(tmp_path / "folder")
+    assert (tmp_path / "file").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder"]
+
+
+def test_replacements_left_without_a_commit_leave_nothing_behind(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt), Replacements[str]() as batch:
+        batch.stage("a", [(tmp_path / "a", b"new", 0o644)])
+        raise KeyboardInterrupt  # Ctrl-C between staging and the commit
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_read_json_names_the_file(tmp_path: Path) -> None:
