@@ -1,7 +1,8 @@
 """Speed of the prep steps on a dataset shaped like the one users name: 10,000 tasks, few images.
 
-Makes the tasks in a temporary folder (or --root), then times, each from a flushed disk, through the same module code the
-CLI runs (goals for 10,000 tasks on an idle machine, scaled linearly for other sizes):
+Makes the tasks in a temporary folder (or --root), then times each step from a flushed disk,
+through the same module code the CLI runs (goals for 10,000 tasks on an idle machine, scaled
+linearly for other sizes):
   floor    read and SHA-256 every file of the tasks: the least any step that reads them costs
   plan     discover + hash every build context (what `build --dry-run` does)  goal 1.5 s
   rewrite  set docker_image in every task.toml from a manifest               goal 3 s
