@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harbor_hpc.apptainer.network import egress_problem
@@ -196,11 +197,32 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 RUN_FOLDER = "HARBOR_HPC_TEST_RUN_FOLDER"
 
 
+_RUN_PREFIX = "harbor-hpc-test-run-"
+# In a run's folder: the pid of the process that made it (and removes it when the run ends).
+_RUN_OWNER = "pid"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # xdist's workers inherit it
-        folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-test-run-"))
+        _remove_killed_runs()
+        folder = Path(tempfile.mkdtemp(prefix=_RUN_PREFIX))
         folder.chmod(0o755)
+        (folder / _RUN_OWNER).write_text(f"{os.getpid()}\n")
         os.environ[RUN_FOLDER] = str(folder)
+
+
+def _remove_killed_runs() -> None:
+    """The folders of this user's runs that were killed before they could remove theirs (the
+    process that made one is gone): each holds images and .sifs, hundreds of MB."""
+    for folder in Path(tempfile.gettempdir()).glob(_RUN_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.geteuid():
+                continue
+            pid = int((folder / _RUN_OWNER).read_text())
+        except (OSError, ValueError):  # not ours, or not yet or no longer a run's folder
+            continue
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
