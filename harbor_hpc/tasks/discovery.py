@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import tomllib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -182,30 +182,33 @@ def discover_tasks(
     configs: dict[str, TaskConfig | str] = {}
     top = str(root)
     prefix = top if top.endswith(os.sep) else top + os.sep
-    # Each folder's real path, built from its parent's: a folder that is no symlink is its
-    # parent's real path and its name (one lstat, where resolving it anew walks every part).
-    reals: dict[str, str] = {top: os.path.realpath(top)}
-    seen: dict[str, Path] = {}
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
-        real = reals.pop(dirpath, None)
-        if real is None or os.path.islink(dirpath):
-            real = os.path.realpath(dirpath)
+    real_top = os.path.realpath(top)
+    seen: dict[str, Path] = {real_top: root}
+    # The walk, folders before their subfolders, each folder's in sorted order, as os.walk
+    # walks; only a folder that is a task (it holds task.toml, which is then read) is never
+    # listed: one read where os.walk lists it and stats what it holds.
+    walk = [_subfolders(top, real_top)]
+    while walk:
+        folder = next(walk[-1], None)
+        if folder is None:
+            walk.pop()
+            continue
+        path, real = folder
+        data = _task_toml(path)
         if real in seen:
-            if TASK_FILE in filenames:
+            if data is not None:
                 discovery.problems.append(
-                    TaskProblem(Path(dirpath), f"duplicate of {seen[real]} (symlink)")
+                    TaskProblem(Path(path), f"duplicate of {seen[real]} (symlink)")
                 )
-            dirnames.clear()
             continue
-        here = Path(dirpath)
-        seen[real] = here
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        if TASK_FILE not in filenames:
-            reals.update((os.path.join(dirpath, d), os.path.join(real, d)) for d in dirnames)
+        here = seen[real] = Path(path)
+        if data is None:
+            walk.append(_subfolders(path, real))
             continue
-        dirnames.clear()
-        rel = dirpath[len(prefix) :] if dirpath != top else "."
-        task_or_problem = _load(root, here, rel, configs, require_dockerfile=require_dockerfile)
+        rel = path[len(prefix) :]
+        task_or_problem = _load(
+            root, here, rel, configs, require_dockerfile=require_dockerfile, data=data
+        )
         if isinstance(task_or_problem, Task):
             discovery.tasks.append(task_or_problem)
             if found is not None:
@@ -214,6 +217,51 @@ def discover_tasks(
             discovery.problems.append(task_or_problem)
     discovery.tasks.sort(key=lambda task: task.rel)
     return discovery
+
+
+def _subfolders(folder: str, real: str) -> Iterator[tuple[str, str]]:
+    """The folders in `folder` (links to folders too; hidden ones left out), sorted, each with
+    its real path: that of `folder` and its name, unless it is a link (resolving every path
+    anew would walk every part of it). A folder that cannot be listed has none, as in os.walk."""
+    try:
+        with os.scandir(folder) as listing:
+            entries = sorted(
+                (entry for entry in listing if entry.name[0] != "." and _is_folder(entry)),
+                key=lambda entry: entry.name,
+            )
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_symlink():
+            yield entry.path, os.path.realpath(entry.path)
+        else:
+            yield entry.path, os.path.join(real, entry.name)
+
+
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _task_toml(folder: str) -> bytes | OSError | None:
+    """`folder`'s task.toml, the error reading it, or None where it has none (a folder of that
+    name is none either)."""
+    path = os.path.join(folder, TASK_FILE)
+    try:
+        return read_small(path)[0]
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        # A link to nowhere is a task.toml that cannot be read.
+        return exc if os.path.islink(path) else None
+    except PermissionError as exc:
+        # Unreadable, or the folder may not be searched: a task if task.toml is listed there.
+        try:
+            return exc if TASK_FILE in os.listdir(folder) else None
+        except OSError:
+            return None
+    except OSError as exc:
+        return exc
 
 
 def load_task(root: Path, path: Path, *, require_dockerfile: bool = True) -> Task | TaskProblem:
@@ -228,12 +276,18 @@ def _load(
     configs: dict[str, TaskConfig | str],
     *,
     require_dockerfile: bool,
+    data: bytes | OSError | None = None,
 ) -> Task | TaskProblem:
-    """The task at `path`; `configs` holds what each task.toml text read so far became (its
-    config, or why Harbor refuses it), so equal files are parsed and validated once."""
+    """The task at `path` (`data`: its task.toml read already, or the error reading it);
+    `configs` holds what each task.toml text read so far became (its config, or why Harbor
+    refuses it), so equal files are parsed and validated once."""
     toml_path = path / TASK_FILE
     try:
-        text = text_of(read_small(str(toml_path))[0])
+        if data is None:
+            data = read_small(str(toml_path))[0]
+        elif isinstance(data, OSError):
+            raise data
+        text = text_of(data)
     except UnicodeDecodeError as exc:
         return TaskProblem(toml_path, f"not valid TOML ({exc})")
     except OSError as exc:

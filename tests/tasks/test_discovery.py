@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,26 @@ def test_a_folder_reached_again_through_a_deeper_symlink_is_a_duplicate(tmp_path
     (problem,) = found.problems
     assert problem.path == tmp_path / "set" / "one"
     assert problem.message == f"duplicate of {tmp_path / 'set' / 'again'} (symlink)"
+
+
+def test_a_task_toml_that_cannot_be_read_is_named_and_a_folder_of_that_name_is_none(
+    tmp_path: Path,
+) -> None:
+    make_task(tmp_path / "dangling")
+    (tmp_path / "dangling" / "task.toml").unlink()
+    (tmp_path / "dangling" / "task.toml").symlink_to(tmp_path / "gone.toml")
+    (tmp_path / "holder" / "task.toml").mkdir(parents=True)  # a folder, not a task.toml
+    make_task(tmp_path / "holder" / "inner")
+    locked = make_task(tmp_path / "locked")
+    (locked / "task.toml").chmod(0)
+
+    found = discover_tasks(tmp_path)
+
+    assert [t.rel for t in found.tasks] == ["holder/inner"] + (
+        ["locked"] if os.geteuid() == 0 else []  # root reads it all the same
+    )
+    problems = {p.path.relative_to(tmp_path).as_posix(): p.message for p in found.problems}
+    expected = {"dangling/task.toml": "cannot read (No such file or directory)"}
+    if os.geteuid() != 0:
+        expected["locked/task.toml"] = "cannot read (Permission denied)"
+    assert problems == expected
