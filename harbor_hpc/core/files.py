@@ -102,15 +102,20 @@ class Replacements[K]:
         self._lock = threading.Lock()
         self._staged: dict[K, list[tuple[str, Path]]] = {}
         self._folders: dict[int, str] = {}  # a folder on each filesystem written (by device)
+        self._closed = False
 
     def __enter__(self) -> Replacements[K]:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for group in self._staged.values():
+        # A thread may still be staging (Ctrl-C can leave a pool's thread unjoined): what it
+        # stages from now on, it removes itself.
+        with self._lock:
+            self._closed = True
+            left, self._staged = self._staged, {}
+        for group in left.values():
             for tmp, _ in group:
                 _remove(tmp)
-        self._staged.clear()
 
     def stage(self, key: K, files: list[tuple[Path, bytes, int]]) -> None:
         """Write the new content of each (path, data, permissions) beside its path, as the
@@ -134,20 +139,25 @@ class Replacements[K]:
         except BaseException as exc:
             _undo([tmp for tmp, _ in group], exc, path)
         with self._lock:
-            self._staged[key] = group
+            if not self._closed:
+                self._staged[key] = group
+                return
+        for tmp, _ in group:
+            _remove(tmp)
 
     def commit(self) -> dict[K, OSError]:
         """Flush every staged file to disk, then rename each into place; the groups that could
         not be, with why (a group whose flush failed is left as it was; of a group whose rename
         failed, the files renamed before stay)."""
-        staged, self._staged = self._staged, {}
+        with self._lock:
+            keys = list(self._staged)
         failed: dict[K, OSError] = {}
         try:
-            self._flush(staged)
+            self._flush([tmp for key in keys for tmp, _ in self._staged[key]])
         except OSError as exc:
-            failed = dict.fromkeys(staged, exc)
-        for key, group in staged.items():
-            for tmp, path in group:
+            failed = dict.fromkeys(keys, exc)
+        for key in keys:
+            for tmp, path in self._staged[key]:
                 try:
                     if key not in failed:
                         os.replace(tmp, path)
@@ -155,10 +165,12 @@ class Replacements[K]:
                 except OSError as exc:  # the rest of the group stays as it was
                     failed[key] = OSError(exc.errno, exc.strerror, str(path))
                 _remove(tmp)
+            # Only now: stopped halfway through the group, the block's end removes the rest.
+            with self._lock:
+                del self._staged[key]
         return failed
 
-    def _flush(self, staged: dict[K, list[tuple[str, Path]]]) -> None:
-        names = [tmp for group in staged.values() for tmp, _ in group]
+    def _flush(self, names: list[str]) -> None:
         if len(names) < self.SYNC_EACH_BELOW:
             for name in names:
                 fd = os.open(name, os.O_RDONLY)

@@ -3,8 +3,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -272,3 +274,53 @@ def test_a_bad_manifest_value_is_one_line_naming_it(
     assert error[0].startswith(f"error: {manifest}: images.{'a' * 64}.{entry} = ")
     assert shown in error[0]
     assert toml.read_text() == "[environment]\ncpus = 1\n"
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_rewrite_stopped_while_it_writes_leaves_each_task_old_or_new(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    root = tmp_path / "tasks"
+    old = "[environment]\ncpus = 1\n"
+    tomls = [make_task(root, f"t{index:04d}", old) for index in range(2000)]
+    record = ImageRecord("localhost:5000/ns/a", "a" * 64, [t.parent.name for t in tomls], DIGEST)
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, root, record)
+    config = tmp_path / "empty-config.toml"
+    config.write_text("")
+    rewrite = [
+        sys.executable,
+        "-m",
+        "harbor_hpc",
+        "rewrite",
+        str(root),
+        "--manifest",
+        str(manifest),
+    ]
+    process = subprocess.Popen(
+        rewrite,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HARBOR_HPC_CONFIG": str(config)},
+    )
+    # Stopped once the first task's new file is written beside it: it is writing them then.
+    first = root / "t0000"
+    deadline = time.monotonic() + 60
+    while not any(name.endswith(".tmp") for name in os.listdir(first)):
+        assert process.poll() is None, "rewrite ended before it was stopped"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    process.send_signal(stop)
+    _, stderr = process.communicate(timeout=60)
+
+    assert process.returncode in (130, 128 + stop), stderr
+    assert "Traceback" not in stderr and "internal error" not in stderr
+    assert not list(root.rglob("*.tmp"))
+    pinned = f"localhost:5000/ns/a@{DIGEST}"
+    images = [tomllib.loads(toml.read_text())["environment"].get("docker_image") for toml in tomls]
+    assert set(images) <= {None, pinned}
+
+    again = cli(str(root), "--manifest", str(manifest), tmp_path=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert all(tomllib.loads(t.read_text())["environment"]["docker_image"] == pinned for t in tomls)
