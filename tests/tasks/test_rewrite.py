@@ -304,7 +304,14 @@ def test_a_rewrite_stopped_while_it_writes_leaves_each_task_old_or_new(
         for toml in tomls:
             toml.write_text(old)
         process = subprocess.Popen(
-            rewrite, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            rewrite,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            # Ctrl-C as at a terminal: a test run started in the background (CI) ignores
+            # SIGINT, and so would the rewrite it starts.
+            preexec_fn=_interruptible,
         )
         if _stopped_while_writing(process, root, stop):
             break
@@ -323,6 +330,10 @@ def test_a_rewrite_stopped_while_it_writes_leaves_each_task_old_or_new(
     again = cli(str(root), "--manifest", str(manifest), tmp_path=tmp_path)
     assert again.returncode == 0, again.stderr
     assert all(tomllib.loads(t.read_text())["environment"]["docker_image"] == pinned for t in tomls)
+
+
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stopped_while_writing(
