@@ -42,7 +42,7 @@ def dockerignore_patterns(context: Path, digests: FileDigests | None = None) -> 
     which then knows the file's digest)."""
     path = os.path.join(context, DOCKERIGNORE)
     try:
-        text = (digests.read(path) if digests else Path(path).read_bytes()).decode()
+        text = (digests.read(path) if digests else read_small(path)[0]).decode()
     except FileNotFoundError:
         return []
     return [line.strip() for line in text.splitlines() if line.strip() and line.strip()[0] != "#"]
