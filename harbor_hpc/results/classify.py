@@ -13,25 +13,35 @@ names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's t
     memory          the memory watchdog killed the container (raise memory_mb or fix the task)
     timeout         the agent or the verifier ran out of time (raise timeouts or accept)
     verifier        tests did not produce a usable reward (fix tests/test.sh)
+    model           the model server failed the agent: unreachable, an unknown model, a refused
+                    key, a rate limit, a request it rejected (fix the server or the settings)
     agent           the agent itself failed (anything else raised while it ran)
     infrastructure  the job died, was cancelled, or the result is gone (resubmit)
+
+Whether a failed trial's reward is valid (and so whether a trainer may learn from it) is not
+ours to decide: it is Harbor's error policy for the exception's name (`validity`), with our
+environment's names given to it (`harbor_hpc.apptainer.errors.error_policy_overrides`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harbor_hpc.apptainer.errors import (
+    HARBOR_EQUIVALENT,
     ContainerDied,
     ContainerStartFailed,
     EnvironmentHostUnavailable,
     ImageUnavailable,
-    MemoryLimitExceeded,
+    MemoryLimitExceededError,
     SetupScriptFailed,
     UnsupportedTask,
 )
+
+if TYPE_CHECKING:
+    from harbor.models.trial.error_policy import ErrorPolicy
 
 
 class FailureClass(StrEnum):
@@ -44,6 +54,7 @@ class FailureClass(StrEnum):
     MEMORY = "memory"
     TIMEOUT = "timeout"
     VERIFIER = "verifier"
+    MODEL = "model"
     AGENT = "agent"
     INFRASTRUCTURE = "infrastructure"
 
@@ -57,24 +68,69 @@ class AttemptState(StrEnum):
     FAILED = "failed"
 
 
+# The names Harbor's model clients raise (its own and litellm's, escaping its agents), as its
+# error policy table lists them: none of them says anything about the policy being trained.
+MODEL_SERVER_ERRORS = (
+    "ApiError",
+    "ApiRateLimitError",
+    "ApiInternalServerError",
+    "ApiOverloadedError",
+    "ApiConnectionClosedError",
+    "ApiResponseStalledError",
+    "UnknownApiError",
+    "NetworkConnectionError",
+    "ApiConnectionError",
+    "ApiUsageLimitError",
+    "RateLimitError",
+    "InternalServerError",
+    "ServiceUnavailableError",
+    "APIConnectionError",
+    "APIError",
+    "Timeout",
+    "UnsupportedModelParametersError",
+    "BadRequestError",
+    "UnprocessableEntityError",
+    "UnsupportedParamsError",
+    "APIResponseValidationError",
+    "BudgetExceededError",
+    "AgentAuthenticationError",
+    "ModelNotFoundError",
+    "ApiProviderResourceNotFoundError",
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+)
+
 _CLASS_OF_EXCEPTION: dict[str, FailureClass] = {
     # our environment's (harbor_hpc.apptainer.errors)
     ImageUnavailable.__name__: FailureClass.IMAGE,
     SetupScriptFailed.__name__: FailureClass.SETUP,
     ContainerStartFailed.__name__: FailureClass.ENVIRONMENT,
     UnsupportedTask.__name__: FailureClass.UNSUPPORTED,
-    MemoryLimitExceeded.__name__: FailureClass.MEMORY,
+    MemoryLimitExceededError.__name__: FailureClass.MEMORY,
     ContainerDied.__name__: FailureClass.INFRASTRUCTURE,
     EnvironmentHostUnavailable.__name__: FailureClass.INFRASTRUCTURE,
-    # Harbor's own Singularity environment, for runs made with it
-    "MemoryLimitExceededError": FailureClass.MEMORY,
+    # the name runs before harbor-hpc 0.1's rename recorded
+    "MemoryLimitExceeded": FailureClass.MEMORY,
     # harbor.trial.errors
     "AgentTimeoutError": FailureClass.TIMEOUT,
     "AgentSetupTimeoutError": FailureClass.TIMEOUT,
     "VerifierTimeoutError": FailureClass.TIMEOUT,
     "EnvironmentStartTimeoutError": FailureClass.ENVIRONMENT,
-    # harbor.environments.base
+    # Harbor's environments
     "HealthcheckError": FailureClass.SETUP,
+    "SandboxBuildFailedError": FailureClass.IMAGE,
+    "SandboxLikelyOutOfMemoryError": FailureClass.MEMORY,
+    "ServiceOperationsUnsupportedError": FailureClass.UNSUPPORTED,
+    "SSHAccessError": FailureClass.INFRASTRUCTURE,
+    "GKEExecStreamClosedError": FailureClass.INFRASTRUCTURE,
+    "GKEPodNotFoundError": FailureClass.INFRASTRUCTURE,
+    "RuntimeRequestError": FailureClass.INFRASTRUCTURE,
+    # Harbor's set-up: an extra not installed, an agent's own import, a regrade
+    "MissingExtraError": FailureClass.ENVIRONMENT,
+    "DspyImportError": FailureClass.ENVIRONMENT,
+    "VercelScopeError": FailureClass.ENVIRONMENT,
+    "RegradeError": FailureClass.ENVIRONMENT,
     # harbor.verifier.verifier
     "AddTestsDirError": FailureClass.VERIFIER,
     "VerifierOutputParseError": FailureClass.VERIFIER,
@@ -83,6 +139,7 @@ _CLASS_OF_EXCEPTION: dict[str, FailureClass] = {
     "RewardFileEmptyError": FailureClass.VERIFIER,
     # The worker was stopped in the middle of the trial (scancel, preemption, time limit).
     "CancelledError": FailureClass.INFRASTRUCTURE,
+    **dict.fromkeys(MODEL_SERVER_ERRORS, FailureClass.MODEL),
 }
 
 MESSAGE_LIMIT = 300
@@ -95,6 +152,23 @@ def failure_class(exception_type: str, *, agent_started: bool = True) -> Failure
     return _CLASS_OF_EXCEPTION.get(exception_type, unknown)
 
 
+def validity(exception_type: str, stored: dict[str, Any] | None = None) -> ErrorPolicy:
+    """Harbor's error policy for an exception type name: retried, graded, reward valid.
+    `stored` is the override Harbor recorded with it (`exception_info.policy_override`); runs
+    made without one (`harbor run` with our environment, older runs) get ours for our names."""
+    from harbor.models.trial.error_policy import ErrorPolicyOverride, policy_for
+
+    from harbor_hpc.apptainer.errors import error_policy_overrides
+
+    if stored:
+        override: ErrorPolicyOverride | None = ErrorPolicyOverride.model_validate(stored)
+    elif exception_type in HARBOR_EQUIVALENT:
+        override = error_policy_overrides()[exception_type]
+    else:
+        override = None
+    return policy_for(exception_type, override)
+
+
 def short_message(exception_type: str, message: str) -> str:
     text = " ".join(message.split())
     if len(text) > MESSAGE_LIMIT:
@@ -104,12 +178,15 @@ def short_message(exception_type: str, message: str) -> str:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one finished trial came to: done (maybe with reward 0) or failed with a class."""
+    """What one finished trial came to: done (maybe with reward 0) or failed with a class.
+    `valid`: its reward is one to learn from (Harbor's error policy says so for its failure;
+    a trial that ended cleanly always), else no reward a trainer may use."""
 
     failure: FailureClass | None
     message: str | None
     reward: float | None
     rewards: dict[str, float]
+    valid: bool = False
 
     @property
     def state(self) -> AttemptState:
@@ -141,7 +218,7 @@ def outcome_of_result(result: dict[str, Any]) -> Outcome:
         exception_type = str(info.get("exception_type") or "Exception")
         message = short_message(exception_type, str(info.get("exception_message") or ""))
         agent_started = bool(result.get("agent_setup") or result.get("agent_execution"))
-        return Outcome(
-            failure_class(exception_type, agent_started=agent_started), message, reward, rewards
-        )
-    return Outcome(None, None, reward, rewards)
+        failure = failure_class(exception_type, agent_started=agent_started)
+        policy = validity(exception_type, info.get("policy_override"))
+        return Outcome(failure, message, reward, rewards, policy.has_valid_reward)
+    return Outcome(None, None, reward, rewards, True)

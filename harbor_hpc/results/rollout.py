@@ -22,9 +22,10 @@ Harbor itself flattens nothing (this version has no loss mask and no RL trainer)
 is NeMo RL's (its NeMo Gym bridge checks the same prefix and takes the same prompt deltas) and
 SkyRL's (a prompt, then response tokens with a loss mask and 0.0 log-probs off the policy).
 
-Only the agent's own failures (and successes) are `trainable`: a trial the cluster, the image,
-the task's setup or its verifier broke says nothing about the policy. An agent that ran out of
-time keeps its turns and its reward (Harbor still verifies it) and is marked `partial`.
+Only trials whose reward Harbor's error policy calls valid are `trainable` (classify.validity):
+those that ended, or that the agent itself failed; a trial the cluster, the image, the task's
+setup, its verifier or the model server broke says nothing about the policy. An agent that ran
+out of time keeps its turns and its reward (Harbor still verifies it) and is marked `partial`.
 """
 
 from __future__ import annotations
@@ -336,11 +337,12 @@ def _token_totals(
     return n_input, n_cache, n_output, cost
 
 
-def trainable(outcome: Outcome, timed_out: bool) -> bool:
-    """Whether the trial says something about the policy: it ended, or the agent failed it."""
-    if outcome.failure is None or outcome.failure is FailureClass.AGENT:
-        return True
-    return outcome.failure is FailureClass.TIMEOUT and timed_out
+def trainable(outcome: Outcome) -> bool:
+    """Whether the trial says something about the policy: its reward is valid by Harbor's error
+    policy (it ended, or the agent failed it: its own error, its time or its context ran out),
+    and the agent ran (a failure Harbor does not know, raised before the agent started, is the
+    environment's, whatever Harbor's default for unknown names)."""
+    return outcome.valid and outcome.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
 
 
 @dataclass
@@ -408,7 +410,7 @@ def rollout(
         "trial": trial_dir.name if trial_dir is not None else None,
         "trial_dir": str(trial_dir) if trial_dir is not None else None,
         "counts": counts,
-        "trainable": trainable(outcome, timed_out),
+        "trainable": trainable(outcome),
         "partial": timed_out,
         "reward": outcome.reward,
         "rewards": outcome.rewards,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.errors import MemoryLimitExceeded, UnsupportedTask
+from harbor_hpc.apptainer.errors import MemoryLimitExceededError, UnsupportedTask
 from harbor_hpc.apptainer.pod import image_healthcheck
 from harbor_hpc.apptainer.sif import ImageConfig
 from harbor_hpc.tasks.compose import (
@@ -225,7 +225,7 @@ services:
         finally:
             await environment.stop(delete=True)
 
-    with pytest.raises(MemoryLimitExceeded, match="256 MB"):
+    with pytest.raises(MemoryLimitExceededError, match="256 MB"):
         asyncio.run(scenario())
 
 

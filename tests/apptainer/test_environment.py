@@ -337,7 +337,7 @@ def test_memory_hog_is_killed_and_reported(debian_sif: Path, tmp_path: Path) -> 
     task = make_task(tmp_path, str(debian_sif), hog, memory_mb=512)
     result = run_trial(task, tmp_path / "trials")
     info = result["exception_info"]
-    assert info["exception_type"] == "MemoryLimitExceeded"
+    assert info["exception_type"] == "MemoryLimitExceededError"
     message = info["exception_message"]
     assert "memory" in message and "512 MB" in message and "486 MB" in message
     peak = int(message.split("peak of ")[1].split(" MB")[0])

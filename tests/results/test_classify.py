@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from harbor.models.agent.context import AgentContext
 from harbor.models.trial.config import TaskConfig, TrialConfig
+from harbor.models.trial.error_policy import ERROR_POLICIES, ErrorPolicy, policy_for
 from harbor.models.trial.result import AgentInfo, ExceptionInfo, TimingInfo, TrialResult
 from harbor.models.verifier.result import VerifierResult
 from harbor.trial.errors import (
@@ -20,14 +21,22 @@ from harbor.trial.errors import (
 from harbor.verifier.verifier import RewardFileNotFoundError
 
 from harbor_hpc.apptainer.errors import (
+    HARBOR_EQUIVALENT,
     ContainerStartFailed,
     EnvironmentHostUnavailable,
     ImageUnavailable,
-    MemoryLimitExceeded,
+    MemoryLimitExceededError,
     SetupScriptFailed,
     UnsupportedTask,
+    error_policy_overrides,
 )
-from harbor_hpc.results.classify import outcome_of_result, primary_reward
+from harbor_hpc.results.classify import (
+    FailureClass,
+    failure_class,
+    outcome_of_result,
+    primary_reward,
+)
+from harbor_hpc.results.rollout import trainable
 
 
 def harbor_result(
@@ -37,9 +46,11 @@ def harbor_result(
     exception: BaseException | None = None,
     agent_result: AgentContext | None = None,
     agent_started: bool = True,
+    overrides: bool = True,
 ) -> dict[str, Any]:
     """A result.json as Harbor's TrialResult serialises it, parsed back; `agent_started`
-    False for a trial whose environment never came up (no agent timings)."""
+    False for a trial whose environment never came up (no agent timings); `overrides` False
+    for a trial run without our names given to Harbor's error policy (`harbor run`)."""
     config = TrialConfig(task=TaskConfig(path=tmp_path / "task"), trials_dir=tmp_path)
     result = TrialResult(
         task_name="task",
@@ -51,7 +62,11 @@ def harbor_result(
         agent_info=AgentInfo(name="oracle", version="1"),
         agent_result=agent_result,
         verifier_result=VerifierResult(rewards=rewards) if rewards is not None else None,
-        exception_info=ExceptionInfo.from_exception(exception) if exception else None,
+        exception_info=ExceptionInfo.from_exception(
+            exception, override_error_policy=error_policy_overrides() if overrides else None
+        )
+        if exception
+        else None,
         agent_setup=TimingInfo() if agent_started else None,
     )
     data: dict[str, Any] = json.loads(result.model_dump_json())
@@ -61,7 +76,7 @@ def harbor_result(
 @pytest.mark.parametrize(
     ("exception", "failure"),
     [
-        (MemoryLimitExceeded("limit 256 MB, peak 300 MB"), "memory"),
+        (MemoryLimitExceededError("limit 256 MB, peak 300 MB"), "memory"),
         (SetupScriptFailed("setup.sh exited 3"), "setup"),
         (ImageUnavailable("/x.sif not found"), "image"),
         (AgentTimeoutError("Agent execution timed out after 5.0 seconds"), "timeout"),
@@ -118,3 +133,67 @@ def test_primary_reward() -> None:
     assert primary_reward({"accuracy": 0.5}) == 0.5
     assert primary_reward({"reward": 1, "accuracy": 0.5}) == 1.0
     assert primary_reward({"a": 1, "b": 0}) == 0.5
+
+
+def named(name: str) -> BaseException:
+    """An exception of type name `name`: Harbor's policy table keys on nothing else."""
+    error: BaseException = type(name, (Exception,), {})(f"a {name}")
+    return error
+
+
+# Every group of Harbor's own table, name by name, as the policy it gives.
+HARBOR_TABLE = sorted(ERROR_POLICIES.items())
+
+
+@pytest.mark.parametrize(("name", "policy"), HARBOR_TABLE, ids=[n for n, _ in HARBOR_TABLE])
+def test_every_name_in_harbors_error_policy_is_trainable_only_with_a_valid_reward(
+    tmp_path: Path, name: str, policy: ErrorPolicy
+) -> None:
+    result = harbor_result(tmp_path, rewards={"reward": 0}, exception=named(name))
+    outcome = outcome_of_result(result)
+    assert outcome.state == "failed"
+    assert outcome.valid is policy.has_valid_reward
+    assert trainable(outcome) is policy.has_valid_reward
+    # A class that names what to fix: the agent's only where the reward stands, and a reward
+    # that stands only for the agent's failures (its own, or its time running out).
+    if outcome.failure is FailureClass.AGENT:
+        assert policy.has_valid_reward
+    if policy.has_valid_reward:
+        assert outcome.failure in (FailureClass.AGENT, FailureClass.TIMEOUT), outcome.failure
+
+
+def test_model_server_failures_are_named_and_never_trainable(tmp_path: Path) -> None:
+    for name in ("NotFoundError", "APIConnectionError", "AuthenticationError", "RateLimitError"):
+        outcome = outcome_of_result(harbor_result(tmp_path, exception=named(name)))
+        assert (outcome.failure, trainable(outcome)) == ("model", False), name
+
+
+@pytest.mark.parametrize("overrides", [True, False], ids=["our-runs", "harbor-run"])
+@pytest.mark.parametrize(("ours", "harbors"), sorted(HARBOR_EQUIVALENT.items()))
+def test_our_failures_take_the_policy_of_harbors_equivalent(
+    tmp_path: Path, ours: str, harbors: str, overrides: bool
+) -> None:
+    result = harbor_result(tmp_path, exception=named(ours), overrides=overrides)
+    expected = policy_for(harbors)
+    info = result["exception_info"]
+    if overrides:  # what Harbor itself decides (retries, grading) for trials we start
+        assert ErrorPolicy(**info["policy"]) == expected
+    assert outcome_of_result(result).valid is expected.has_valid_reward
+    assert not trainable(outcome_of_result(result))
+
+
+def test_the_memory_watchdogs_failure_has_harbors_own_name(tmp_path: Path) -> None:
+    result = harbor_result(tmp_path, exception=MemoryLimitExceededError("limit 256 MB"))
+    assert result["exception_info"]["exception_type"] == "MemoryLimitExceededError"
+    assert ErrorPolicy(**result["exception_info"]["policy"]) == policy_for(
+        "MemoryLimitExceededError"
+    )
+    # Runs recorded before the rename are classified alike.
+    assert failure_class("MemoryLimitExceeded") == "memory"
+
+
+def test_an_unknown_failure_before_the_agent_started_is_not_trainable(tmp_path: Path) -> None:
+    result = harbor_result(tmp_path, exception=RuntimeError("docker"), agent_started=False)
+    assert not trainable(outcome_of_result(result))
+    agents_own = harbor_result(tmp_path, rewards={"reward": 0}, exception=RuntimeError("crash"))
+    assert trainable(outcome_of_result(agents_own))

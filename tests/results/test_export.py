@@ -19,7 +19,7 @@ from harbor.trial.errors import AgentTimeoutError
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
     EnvironmentHostUnavailable,
-    MemoryLimitExceeded,
+    MemoryLimitExceededError,
 )
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import ExportFormat, export_run
@@ -277,7 +277,7 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
         "slow": harbor_result(
             tmp_path, rewards={"reward": 0}, agent_result=context, exception=timeout
         ),
-        "hog": harbor_result(tmp_path, exception=MemoryLimitExceeded("limit 256 MB")),
+        "hog": harbor_result(tmp_path, exception=MemoryLimitExceededError("limit 256 MB")),
         "crash": harbor_result(tmp_path, agent_result=context, exception=RuntimeError("boom")),
         # The Ray node of the container went away mid-trial: its turns say nothing of the policy.
         "lost": harbor_result(

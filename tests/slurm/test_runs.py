@@ -107,7 +107,7 @@ def test_rewards_and_failure_classes(suite_run: Path) -> None:
     # A timed-out agent still gets verified; only its class matters here.
     got["slow"] = (got["slow"][0], None, got["slow"][2])
     assert got == expected
-    assert "MemoryLimitExceeded" in statuses["hog"]["message"]
+    assert "MemoryLimitExceededError" in statuses["hog"]["message"]
     assert "AgentTimeoutError" in statuses["slow"]["message"]
     for task in SOLVED:
         trial_dir = RunPaths(suite_run).trial(statuses[task]["trial"])
