@@ -367,7 +367,7 @@ class Container:
                 f"cp -- {shlex.quote(source_path)} {inside}/file", f"download of {source_path}"
             )
             target.parent.mkdir(parents=True, exist_ok=True)
-            await asyncio.to_thread(shutil.move, host / "file", target)
+            await asyncio.to_thread(_copy_over, str(host / "file"), str(target))
 
     async def download_dir(self, source_dir: str, target: Path) -> None:
         with self._transfer_dir() as (host, inside):
@@ -377,7 +377,12 @@ class Container:
             )
             target.mkdir(parents=True, exist_ok=True)
             await asyncio.to_thread(
-                shutil.copytree, host / "dir", target, symlinks=True, dirs_exist_ok=True
+                shutil.copytree,
+                host / "dir",
+                target,
+                symlinks=True,
+                dirs_exist_ok=True,
+                copy_function=_copy_over,
             )
 
     # -- output and stop ----------------------------------------------------------
@@ -445,3 +450,14 @@ class Container:
                 self.name,
                 ", ".join(str(process.pid) for process in survivors),
             )
+
+
+def _copy_over(source: str, target: str) -> None:
+    """`shutil.copy2`, also over a file that one of the container's other users wrote into a
+    folder bound from the host (a task's `[agent] user`'s log, say: it belongs to one of the
+    user's subordinate uids, which the user may not write, but may replace in a folder of
+    theirs). Harbor downloads its log folders onto themselves. A link there is replaced, never
+    written through."""
+    if os.path.islink(target) or (os.path.exists(target) and not os.access(target, os.W_OK)):
+        os.unlink(target)
+    shutil.copy2(source, target)

@@ -58,7 +58,7 @@ from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs,
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
     ImageUnavailable,
-    MemoryLimitExceeded,
+    MemoryLimitExceededError,
     SetupScriptFailed,
     UnsupportedTask,
 )
@@ -418,6 +418,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             if self._roots is not None:
                 await self._lease_root()
             await self._launch(flags)
+            # As Docker's environment leaves them: Harbor's log folders (bound from the trial's
+            # private folder) writable by whichever user the task's [agent] and [verifier] run
+            # as, not only by the container's root.
+            await self.ensure_dirs(self._mount_targets(writable_only=True))
             await self._start_services(flags, service_sifs)
             await self._start_entrypoint()
             await self._run_setup_script()
@@ -765,7 +769,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     def _raise_if_memory_breached(self) -> None:
         if self._watchdog is not None and self._watchdog.breach is not None:
-            raise MemoryLimitExceeded(
+            raise MemoryLimitExceededError(
                 f"task {self.environment_name}: {self._watchdog.breach.describe()}"
             )
 

@@ -30,7 +30,7 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
-    MemoryLimitExceeded,
+    MemoryLimitExceededError,
     UnsupportedTask,
 )
 from tests.support.cli import cli, cli_json
@@ -160,9 +160,10 @@ def test_the_container_looks_like_docker(fidelity_sif: Path, tmp_path: Path) -> 
             # The ENTRYPOINT ran before anything else, as root.
             hosts = await run(environment, "tail -n 1 /etc/hosts; ls /tmp/entrypoint-*")
             assert hosts == "10.1.2.3 entry.test\n/tmp/entrypoint-busy-done\n/tmp/entrypoint-ran\n"
-            # apt's way of dropping privileges works (a user of the subuid range).
-            other = "su nobody -s /bin/sh -c 'id -u' && chmod 777 /logs/agent"
-            assert await run(environment, other) == "65534\n"
+            # apt's way of dropping privileges works (a user of the subuid range), and Harbor's
+            # log folders are every user's to write, as Docker leaves them.
+            other = "su nobody -s /bin/sh -c 'id -u' && stat -c %a /logs/agent"
+            assert await run(environment, other) == "65534\n777\n"
             await run(environment, "su nobody -s /bin/sh -c 'echo n > /logs/agent/by-nobody'")
             await run(environment, "echo r > /logs/agent/by-root")
             private = environment._private_dir
@@ -247,7 +248,7 @@ def test_the_watchdog_sees_the_whole_container(
 ) -> None:
     async def main() -> None:
         async with started(fidelity_sif, tmp_path, memory_mb=256) as environment:
-            with pytest.raises(MemoryLimitExceeded, match="memory limit of 256 MB"):
+            with pytest.raises(MemoryLimitExceededError, match="memory limit of 256 MB"):
                 await environment.exec(hog, timeout_sec=60)
 
     asyncio.run(main())
@@ -349,6 +350,16 @@ SELF_CONTAINED: dict[str, dict[str, Any]] = {
         "check": "true",
         "toml": "memory_mb = 256\n",
     },
+    # The agent and the verifier as the users a published task names ([agent] user, [verifier]
+    # user): Harbor's log folders are theirs to write, as Docker leaves them (the oracle's own
+    # log, /logs/agent/oracle.txt, is written as the agent's user).
+    "agent-user": {
+        "solve": "id -un > /logs/agent/who\n",
+        "check": '[ "$(cat /logs/agent/who)" = agent ] && [ "$(id -un)" = checker ]'
+        " && [ -f /logs/agent/oracle.txt ]",
+        "agent": 'user = "agent"\n',
+        "verifier": 'user = "checker"\n',
+    },
     # A service beside the task, reached by its name once healthy.
     "compose": {
         "solve": FETCH_ANSWER.replace("/tmp/answer", "/tmp/fetched"),
@@ -366,6 +377,7 @@ EXPECTED = {
     "as-root": ("done", 1.0, None),
     "no-network": ("done", 1.0, None),
     "entrypoint": ("done", 1.0, None),
+    "agent-user": ("done", 1.0, None),
     "hog-daemon": ("failed", None, "memory"),
     "hog-shm": ("failed", None, "memory"),
     "compose": ("done", 1.0, None),
@@ -378,8 +390,12 @@ def write_task(root: Path, name: str, spec: dict[str, Any], image: Path) -> None
     for sub in ("environment", "solution", "tests"):
         (task / sub).mkdir(parents=True)
     (task / "task.toml").write_text(
-        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
-        f'[environment]\ndocker_image = "{image}"\n' + spec.get("toml", "")
+        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n'
+        + spec.get("agent", "")
+        + "[verifier]\ntimeout_sec = 60.0\n"
+        + spec.get("verifier", "")
+        + f'[environment]\ndocker_image = "{image}"\n'
+        + spec.get("toml", "")
     )
     (task / "instruction.md").write_text(f"{name}\n")
     (task / "environment" / "Dockerfile").write_text("FROM local/debian:bookworm\n")
@@ -411,7 +427,7 @@ def test_published_task_features_through_submit(
     # first (each asks for the whole node) and pay Slurm's and the worker's start-up again.
     submitted = cli(
         "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir),
-        "--executor", "slurm", "--concurrency", "3", "--tasks-per-job", "7", "--wait",
+        "--executor", "slurm", "--concurrency", "3", "--tasks-per-job", "8", "--wait",
         check=False,
     )  # fmt: skip
     assert submitted.returncode in (0, 1), submitted.stderr

@@ -45,7 +45,8 @@ SLIM_TAG = "harbor-hpc-test/slim:bookworm"
 # it is ready: the environment waits until the container is quiet, however busy the node.
 FIDELITY_DOCKERFILE = """\
 FROM {base}
-RUN mkdir -p /app && chmod 755 /app && echo 'seed' > /app/seed.txt
+RUN mkdir -p /app && chmod 755 /app && echo 'seed' > /app/seed.txt \
+    && useradd -m agent && useradd -m checker
 WORKDIR /app
 ENV LANG=C.UTF-8 GREETING="hello world"
 ENTRYPOINT ["/bin/sh", "-c", \
