@@ -174,6 +174,15 @@ def submit(
             help="Let your group read the run folder (never write it). [default: only you]",
         ),
     ] = False,
+    no_model_check: Annotated[
+        bool,
+        typer.Option(
+            "--no-model-check",
+            help="Do not ask the agent's model server (its api_base) before queueing whether "
+            "it answers, serves --model and sends token ids: for a server only the compute "
+            "nodes reach.",
+        ),
+    ] = False,
     wait: WaitOption = False,
     json: JsonOption = False,
     dry_run: DryRunOption = False,
@@ -216,6 +225,7 @@ def submit(
         cpus=cpus,
         sbatch_args=sbatch_arg,
         group_readable=group_readable,
+        model_check=not no_model_check,
     )
     default_root = Path(config.pick("run_dir", None, "runs"))
     target = run_dir or default_root / time.strftime("%Y%m%d-%H%M%S")

@@ -282,8 +282,10 @@ def test_the_trainer_example_gets_the_servers_tokens_back_in_python(
     produced = sum(len(e.completion_token_ids) for e in sent)
     total = len(sent[-1].prompt_token_ids) + len(sent[-1].completion_token_ids)
     assert ran.stdout.splitlines() == [
-        f"answer #0: reward=1.0 trainable=True policy_tokens={produced}/{total}"
+        f"answer #0: reward=1.0 trainable=True policy_tokens={produced}/{total}",
+        "group answer: 1 rollouts, used",
     ]
+    assert "[rollouts] 1 done, 0 failed, 0 running, 0 pending of 1" in ran.stderr
 
 
 @pytest.mark.slurm
@@ -307,3 +309,31 @@ def test_terminus2_solves_a_compose_task_through_submit_on_slurm(
         assert_solved_with_the_servers_tokens(run_dir / "trials" / status["trial"], llm)
         (line,) = export(run_dir, "full", tmp_path)
         assert_turns_are_the_servers(line, llm.exchanges)
+
+
+def test_a_model_server_that_fails_the_agent_gives_no_trainable_zero(
+    debian_sif: Path, llm_env: None, tmp_path: Path
+) -> None:
+    """A model the server does not serve, past the check before the batch (as a server that
+    changes during a run would be): the trial is the model server's failure, its reward none to
+    learn from, as Harbor's error policy says; never the agent's zero."""
+    task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    run_dir = tmp_path / "run"
+    with ScriptedLLM(SCRIPT) as llm:
+        args = agent_args(llm)
+        args[args.index(f"openai/{llm.model}")] = "openai/not-served"
+        refused = cli(
+            "submit", str(task.parent), *args, "--run-dir", str(run_dir), "--executor", "local",
+            check=False,
+        )  # fmt: skip
+        assert refused.returncode == 2 and "does not serve 'not-served'" in refused.stderr
+        assert not (run_dir / "run.json").exists()
+        cli(
+            "submit", str(task.parent), *args, "--run-dir", str(run_dir), "--executor", "local",
+            "--no-model-check", "--wait", check=False,
+        )  # fmt: skip
+    (status,) = cli_json("status", str(run_dir))
+    assert (status["state"], status["failure"]) == ("failed", "model"), status
+    (line,) = export(run_dir, "full", tmp_path)
+    assert line["trainable"] is False
+    assert export(run_dir, "harbor-rl", tmp_path) == []

@@ -9,6 +9,11 @@ gets the whole script, in order, however many run at once. Like vLLM's OpenAI se
 `"logprobs": true` gets `choices[0].logprobs.content[]` (token, logprob, bytes, top_logprobs)
 and one with `"return_token_ids": true` gets `prompt_token_ids` (top level) and
 `choices[0].token_ids`: what Harbor's LiteLLM reads when `collect_rollout_details=True`.
+Like vLLM, it answers a request for a model it does not serve with 404 (`NotFoundError`); with
+`api_key`, one without that key with 401; with `token_ids=False` it sends no token ids, as
+servers other than vLLM do.
+harbor-hpc's check before a batch (header `X-Harbor-Hpc-Check`) is answered like any request
+but kept in `checks`, apart from the script's turns.
 
 Tokens are UTF-8 bytes, so ids are reproducible and decode back to text: the completion's ids
 are the reply's bytes, the prompt's are those of `render_prompt(messages)`. Every exchange is
@@ -39,6 +44,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
+
+from harbor_hpc.steps.submit.model_server import CHECK_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +102,8 @@ class ScriptedLLM:
         port: int = 0,
         rewrite_history: bool = False,
         each_conversation: bool = False,
+        token_ids: bool = True,
+        api_key: str | None = None,
     ) -> None:
         if not script:
             raise ValueError("the script needs at least one reply")
@@ -102,7 +111,10 @@ class ScriptedLLM:
         self.model = model
         self.rewrite_history = rewrite_history
         self.each_conversation = each_conversation
+        self.token_ids = token_ids
+        self.api_key = api_key
         self.exchanges: list[Exchange] = []
+        self.checks: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._http = _Server(("127.0.0.1", port), _Handler)
         self._http.llm = self
@@ -134,15 +146,18 @@ class ScriptedLLM:
     ) -> None:
         self.stop()
 
-    def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        """The chat completion answering `request`, recorded in `exchanges`."""
+    def complete(self, request: dict[str, Any], *, check: bool = False) -> dict[str, Any]:
+        """The chat completion answering `request`, recorded in `exchanges` (in `checks`, and
+        answered with the script's first reply, for harbor-hpc's check)."""
         with self._lock:
             messages = request.get("messages") or []
-            turn = (
-                sum(1 for message in messages if message.get("role") == "assistant")
-                if self.each_conversation
-                else len(self.exchanges)
-            )
+            if check:
+                self.checks.append(request)
+                turn = 0
+            elif self.each_conversation:
+                turn = sum(1 for message in messages if message.get("role") == "assistant")
+            else:
+                turn = len(self.exchanges)
             reply = self.replies[min(turn, len(self.replies) - 1)]
             prompt_ids = encode(render_prompt(messages, rewrite_history=self.rewrite_history))
             completion_ids = encode(reply)
@@ -170,12 +185,13 @@ class ScriptedLLM:
                 choice["logprobs"] = {
                     "content": [_logprob_entry(i, t, top) for i, t in enumerate(completion_ids)]
                 }
-            if request.get("return_token_ids"):
+            if request.get("return_token_ids") and self.token_ids:
                 response["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = completion_ids
-            self.exchanges.append(
-                Exchange(request, reply, prompt_ids, completion_ids, logprobs, response)
-            )
+            if not check:
+                self.exchanges.append(
+                    Exchange(request, reply, prompt_ids, completion_ids, logprobs, response)
+                )
             return response
 
 
@@ -195,8 +211,16 @@ class _Server(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    def _refused(self, llm: ScriptedLLM) -> bool:
+        if llm.api_key is None or self.headers.get("Authorization") == f"Bearer {llm.api_key}":
+            return False
+        self._send(401, _error("Incorrect API key provided", 401))
+        return True
+
     def do_GET(self) -> None:
         llm = cast(_Server, self.server).llm
+        if self._refused(llm):
+            return
         if self.path.rstrip("/") in ("/v1/models", "/models"):
             model = {"id": llm.model, "object": "model", "owned_by": "scripted"}
             self._send(200, {"object": "list", "data": [model]})
@@ -205,6 +229,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         llm = cast(_Server, self.server).llm
+        if self._refused(llm):
+            return
         if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
             self._send(404, _error(f"no route POST {self.path}"))
             return
@@ -216,7 +242,10 @@ class _Handler(BaseHTTPRequestHandler):
         if request.get("stream"):
             self._send(400, _error("stream=true is not supported by the scripted server"))
             return
-        self._send(200, llm.complete(request))
+        if request.get("model") not in (None, llm.model):  # as vLLM's OpenAI server answers
+            self._send(404, _error(f"The model `{request['model']}` does not exist.", 404))
+            return
+        self._send(200, llm.complete(request, check=bool(self.headers.get(CHECK_HEADER))))
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -230,8 +259,11 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
 
-def _error(message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "code": None}}
+def _error(message: str, code: int | None = None) -> dict[str, Any]:
+    kind = {404: "NotFoundError", 401: "AuthenticationError"}.get(
+        code or 0, "invalid_request_error"
+    )
+    return {"error": {"message": message, "type": kind, "code": code}}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from harbor_hpc.apptainer.store import sif_file, unavailable
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.imports import cannot_import, import_class
+from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.slurm.worker import use_local_cost_map
 from harbor_hpc.steps.submit.options import CACHE_KWARG, ROLLOUT_KWARG
 from harbor_hpc.tasks.discovery import Task
@@ -175,14 +176,26 @@ def default_agent_kwargs(agent: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 # factory's others (override_cpus..., the enforcement policies, persistent_env,
 # extra_docker_compose) come from TrialConfig.environment, which user kwargs override: allowed.
 def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
-    """Refuse an environment that does not import, or kwargs it does not take."""
-    accepted = accepted_environment_kwargs(import_class("--environment", environment))
+    """Refuse an environment that does not import, or kwargs it does not take; and for
+    environments on a Ray cluster, a cluster that does not answer (their preflight, as Harbor
+    calls it before a job)."""
+    found = import_class("--environment", environment)
+    accepted = accepted_environment_kwargs(found)
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise InputError(
             f"--environment-kwarg {', '.join(unknown)}: not accepted by {environment}, which "
             f"takes: {', '.join(accepted) or 'none'}"
         )
+    if issubclass(found, RaySingularityEnvironment):
+        try:
+            found.preflight(kwargs)
+        except SystemExit as refused:
+            raise InputError(
+                str(refused.code),
+                hint="start one with `harbor-hpc ray up`, or fix --environment-kwarg "
+                "ray_address (or ray_cluster_dir)",
+            ) from None
 
 
 def refuse_secrets(kwargs: dict[str, Any], option: str) -> None:

@@ -50,6 +50,7 @@ from harbor_hpc.steps.submit.checks import (
     refuse_secrets,
     require_agent_env,
 )
+from harbor_hpc.steps.submit.model_server import check_model_server
 from harbor_hpc.steps.submit.options import (
     SubmitOptions,
     placed_environment_kwargs,
@@ -120,6 +121,16 @@ def submit_run(
     check_agent(agent, options.agent, options.model, agent_kwargs, discovery.tasks[0])
     given_env = agent_env(options.agent_env)
     values = {name: value for name, value in given_env.items() if value is not None}
+    if options.require_images:
+        check = reference_check(environment_kwargs)
+        missing = [p for task in discovery.tasks if (p := image_problem(task, check))]
+        if missing:
+            raise InputError(
+                f"{len(missing)} task(s) have no image to run: " + "; ".join(missing[:5]),
+                hint="build, convert or rewrite them first; nothing was queued",
+            )
+    if options.model_check:
+        check_model_server(options.model, agent_kwargs, values)
     record = RunRecord(
         tasks_root=str(discovery.root),
         tasks=[task.rel for task in discovery.tasks],

@@ -45,6 +45,11 @@ class SubmitOptions:
     cpus: int | None = None
     # Let the owner's group read the run folder (never write it); others never see it.
     group_readable: bool = False
+    # Ask the agent's model server before anything is queued (model_server.py).
+    model_check: bool = True
+    # Refuse the whole run when a task's image is missing (the CLI reports such tasks and
+    # runs the rest; a trainer's batch is refused before it starts).
+    require_images: bool = False
     # What harbor-hpc.toml may set; the .sif store is read from it when the environment is
     # placed (`placed_environment_kwargs`).
     CONFIGURED: ClassVar[tuple[str, ...]] = (
