@@ -33,7 +33,7 @@ from harbor.models.trial.config import (
 )
 from harbor.trial.trial import Trial
 
-from harbor_hpc.api import trial_rollout
+from harbor_hpc.api import error_policy_overrides, trial_rollout
 
 ENVIRONMENT = "harbor_hpc.environment:RaySingularityEnvironment"
 
@@ -79,6 +79,8 @@ async def main() -> int:
             trials_dir=args.trials_dir,
             agent=AgentConfig(name="terminus-2", model_name=args.model, kwargs=agent_kwargs),
             environment=EnvironmentConfig(import_path=ENVIRONMENT, kwargs=environment_kwargs),
+            # Harbor's error policy then knows our environment's failures (never trainable).
+            override_error_policy=error_policy_overrides(),
         )
         for _ in range(args.rollouts)
     ]

@@ -7,16 +7,19 @@ module is internal and may change. Like the CLI, the functions read harbor-hpc.t
 they are not given, and raise `HarborHpcError` (its `hint` says what to do, `exit_code` is the
 CLI's) for what a user can cause.
 
-- Run and read runs: `run_rollouts(RolloutRequest(...))` is `submit --wait` plus `export`;
-  `run_status(run_dir)` is `status`; `export(run_dir, out, fmt=...)` is `export`;
+- Run and read runs: `run_rollouts(RolloutRequest(...), progress=...)` is `submit --wait`
+  plus `export`; `stream_rollouts(...)` yields each line as its attempt ends (`Progress`
+  counts them); `cancel_run(run_dir)` stops what is left of a run; `run_status(run_dir)` is
+  `status`; `export(run_dir, out, fmt=...)` is `export`;
   `rollout_lines(run_dir, run_status(run_dir).attempts, fmt=...)` the lines without a file;
   `trial_rollout(trial_dir, task_dir)` the line of one Harbor trial a trainer ran itself.
 - The Harbor environments, for a trainer that builds Harbor trials itself:
   `SingularityEnvironment` (the container beside the process) and `RaySingularityEnvironment`
   (the container on a Ray cluster's node; the `ray` extra).
 - The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input) and
-  the environment's own, whose names `status` classifies (`MemoryLimitExceeded`,
-  `EnvironmentHostUnavailable`, ...).
+  the environment's own, whose names `status` classifies (`MemoryLimitExceededError`,
+  `EnvironmentHostUnavailable`, ...) and Harbor's error policy knows
+  (`error_policy_overrides()`, for a `TrialConfig` a trainer makes itself).
 - The steps the CLI runs, each a request and a function: `configured(ConvertRequest, ...)` is
   a request with harbor-hpc.toml filling in, exactly as the CLI's flags are filled in;
   `convert_images(request)` is `convert`; `submit_run(tasks, run_dir, configured_options(None,
@@ -31,9 +34,10 @@ from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
     EnvironmentHostUnavailable,
     ImageUnavailable,
-    MemoryLimitExceeded,
+    MemoryLimitExceededError,
     SetupScriptFailed,
     UnsupportedTask,
+    error_policy_overrides,
 )
 from harbor_hpc.core.config import Config, configured, load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
@@ -45,8 +49,8 @@ from harbor_hpc.results.status import AttemptStatus, RunStatus
 from harbor_hpc.slurm.cluster import SlurmPlacement
 from harbor_hpc.steps.build import BuildRequest
 from harbor_hpc.steps.convert import ConvertReport, ConvertRequest, convert_images
-from harbor_hpc.steps.rollouts import RolloutRequest, run_rollouts
-from harbor_hpc.steps.runs import export, run_status
+from harbor_hpc.steps.rollouts import Progress, RolloutRequest, run_rollouts, stream_rollouts
+from harbor_hpc.steps.runs import cancel_run, export, run_status
 from harbor_hpc.steps.submit import (
     SubmitOptions,
     SubmitResult,
@@ -71,7 +75,8 @@ __all__ = [
     "HarborHpcError",
     "ImageUnavailable",
     "InputError",
-    "MemoryLimitExceeded",
+    "MemoryLimitExceededError",
+    "Progress",
     "RaySingularityEnvironment",
     "RolloutRequest",
     "RunStatus",
@@ -81,15 +86,18 @@ __all__ = [
     "SubmitOptions",
     "SubmitResult",
     "UnsupportedTask",
+    "cancel_run",
     "configured",
     "configured_options",
     "convert_images",
+    "error_policy_overrides",
     "export",
     "load_config",
     "resubmit_run",
     "rollout_lines",
     "run_rollouts",
     "run_status",
+    "stream_rollouts",
     "submit_run",
     "trial_rollout",
 ]

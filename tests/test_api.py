@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import harbor_hpc.api
-from harbor_hpc.api import load_config
+from harbor_hpc.api import (
+    ExportFormat,
+    InputError,
+    RolloutRequest,
+    load_config,
+    run_rollouts,
+)
+from harbor_hpc.steps.rollouts import Backend, in_python_words
 from harbor_hpc.steps.submit import configured_options
+from tests.support.sample_tasks import make_task
+from tests.support.scripted_llm import ScriptedLLM
 
 
 def test_every_name_of_the_surface_is_there() -> None:
@@ -71,3 +81,74 @@ def test_a_required_field_neither_given_nor_configured_names_its_option(
     with pytest.raises(harbor_hpc.api.InputError, match="no manifest given") as raised:
         harbor_hpc.api.configured(harbor_hpc.api.ConvertRequest)
     assert raised.value.hint == "pass --manifest, or set manifest in harbor-hpc.toml"
+
+
+def request(tmp_path: Path, **given: Any) -> RolloutRequest:
+    given.setdefault("agent", "oracle")
+    return RolloutRequest(tasks=tmp_path / "tasks", run_dir=tmp_path / "run", **given)
+
+
+def test_enum_arguments_take_their_string_values_or_are_refused(tmp_path: Path) -> None:
+    """As a JSON config or a CLI wrapper passes them; never a silent fallback."""
+    assert request(tmp_path, format="harbor-rl").format is ExportFormat.HARBOR_RL
+    assert request(tmp_path, format=ExportFormat.NEMO_GYM).format is ExportFormat.NEMO_GYM
+    assert request(tmp_path, executor="ray").executor is Backend.RAY
+    with pytest.raises(InputError, match="format 'bogus' is not one of full, harbor-rl, nemo-gym"):
+        request(tmp_path, format="bogus")
+    with pytest.raises(
+        InputError, match="executor 'ray-cluster' is not one of local, slurm, auto, ray"
+    ):
+        request(tmp_path, executor="ray-cluster")
+    with pytest.raises(InputError, match="deadline_s must be above 0"):
+        request(tmp_path, deadline_s=0)
+    with pytest.raises(InputError, match="--format 'Full' is not one of"):
+        harbor_hpc.api.rollout_lines(tmp_path / "run", [], fmt="Full")
+
+
+def test_errors_raised_to_python_name_fields_and_functions_not_flags() -> None:
+    said = in_python_words(
+        "pick another --run-dir, or `harbor-hpc resubmit` to continue; "
+        "fix --agent-kwarg api_base or --model"
+    )
+    assert said == (
+        "pick another run_dir, or `harbor_hpc.api.resubmit_run(run_dir)` to continue; "
+        "fix agent_kwargs api_base or model"
+    )
+
+
+def task_with_an_image(tmp_path: Path, name: str = "answer") -> Path:
+    image = tmp_path / "images" / "answer.sif"
+    image.parent.mkdir(exist_ok=True)
+    image.write_bytes(b"")  # only its presence is asked, before anything runs
+    return make_task(tmp_path / "tasks", name, image=str(image))
+
+
+def test_a_wrong_model_is_raised_once_before_the_batch_in_python_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "scripted-test-key")
+    task_with_an_image(tmp_path)
+    with ScriptedLLM(["reply"]) as llm:
+        wrong = request(
+            tmp_path,
+            agent="terminus-2",
+            model="openai/policy",
+            agent_kwargs={"api_base": llm.url},
+            attempts=8,
+        )
+        with pytest.raises(InputError) as raised:
+            run_rollouts(wrong)
+    assert f"the model server at {llm.url} does not serve 'policy' (model openai/policy)" in str(
+        raised.value
+    )
+    assert raised.value.hint == "model openai/scripted"
+    assert not (tmp_path / "run" / "run.json").exists()  # nothing recorded, nothing queued
+    assert llm.exchanges == []
+
+
+def test_a_task_without_its_image_is_raised_before_the_batch(tmp_path: Path) -> None:
+    make_task(tmp_path / "tasks", "lost", image=str(tmp_path / "gone.sif"))
+    task_with_an_image(tmp_path, "fine")
+    with pytest.raises(InputError, match=r"1 task\(s\) have no image to run: .*lost.*gone\.sif"):
+        run_rollouts(request(tmp_path))
+    assert not (tmp_path / "run" / "run.json").exists()

@@ -11,6 +11,7 @@ which `from_os_error` names wherever they surface.
 from __future__ import annotations
 
 import errno
+from enum import StrEnum
 from pathlib import Path
 
 # What to do, and the exit code: the machine is full (1), or the path the user chose is not theirs
@@ -62,3 +63,17 @@ def from_os_error(exc: OSError, path: Path | str | None = None) -> HarborHpcErro
     where = path if path is not None else exc.filename
     said = exc.strerror or str(exc)
     return HarborHpcError(f"{where}: {said}" if where else said, hint=hint, exit_code=exit_code)
+
+
+def choice[E: StrEnum](kind: type[E], value: object, name: str) -> E:
+    """`value` as a member of `kind`: a member, or its string value (as a config file, JSON or
+    a command line gives it). Anything else is an `InputError` naming `name` and the choices:
+    never a silent default."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        for member in kind:
+            if member.value == value:
+                return member
+    known = ", ".join(member.value for member in kind)
+    raise InputError(f"{name} {value!r} is not one of {known}")

@@ -75,10 +75,11 @@ def _ray_modules(cluster_dir: Path | None) -> tuple[ModuleType, ModuleType, Modu
     )
 
 
-def alive_node_ips(address: str) -> set[str]:
+def alive_node_ips(address: str, cluster_dir: Path | None = None) -> set[str]:
     """The addresses of the alive nodes of the cluster at `address` (asked of its GCS, with the
-    token settings already in this process's environment)."""
-    return {node.ip for node in _alive(_nodes_at(address, _ray_modules(None)))}
+    token of the `ray up` cluster in `cluster_dir`, else the settings already in this process's
+    environment)."""
+    return {node.ip for node in _alive(_nodes_at(address, _ray_modules(cluster_dir)))}
 
 
 @dataclass(frozen=True)
@@ -460,6 +461,13 @@ def status(cluster_dir: Path) -> RayStatus:
     state = slurm.job_state(cluster.job_id)
     if state != "RUNNING":
         return RayStatus(cluster, state, [])
+    problem = ray_missing()
+    if problem:  # not the cluster's fault: it cannot be asked from here
+        raise InputError(
+            f"{problem} here: the nodes of the Ray cluster at {cluster.address} (Slurm job "
+            f"{cluster.job_id}, {state}) cannot be asked",
+            hint=INSTALL_HINT,
+        )
     try:
         return RayStatus(cluster, state, _nodes(cluster, _ray_modules(cluster_dir)))
     except HarborHpcError as exc:  # the head's node lost, its GCS gone: the job may live on

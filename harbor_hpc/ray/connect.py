@@ -31,6 +31,9 @@ from harbor_hpc.ray.cluster import (
 from harbor_hpc.ray.node import use_token
 
 _lock = threading.Lock()
+# How long the check before a batch waits for the cluster's answer (a wrong address otherwise
+# costs every environment its own wait, one after the other).
+CHECK_TIMEOUT_S = 20.0
 
 
 def cluster_address(ray_address: str | None, cluster_dir: Path | None) -> tuple[str, Path | None]:
@@ -49,6 +52,36 @@ def cluster_address(ray_address: str | None, cluster_dir: Path | None) -> tuple[
         f"no Ray cluster to run environments on: none in {folder} and no RAY_ADDRESS; start "
         "one with `harbor-hpc ray up`, or pass the environment kwarg ray_address"
     )
+
+
+def cluster_problem(
+    ray_address: str | None, cluster_dir: Path | None, *, timeout_s: float = CHECK_TIMEOUT_S
+) -> str | None:
+    """Why environments could not run on the cluster they would join (none to join, no answer
+    within `timeout_s`, no node alive), or None when it answers. Asked of its GCS, without
+    joining it: nothing of Ray's starts in this process, nothing is printed."""
+    try:
+        address, token_dir = cluster_address(ray_address, cluster_dir)
+    except EnvironmentHostUnavailable as exc:
+        return str(exc)
+    answer: dict[str, set[str] | str] = {}
+
+    def ask() -> None:
+        try:
+            answer["nodes"] = alive_node_ips(address, token_dir)
+        except HarborHpcError as exc:
+            answer["error"] = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+
+    asking = threading.Thread(target=ask, name="ray-cluster-check", daemon=True)
+    asking.start()
+    asking.join(timeout_s)
+    if asking.is_alive():
+        return f"the Ray cluster at {address} did not answer within {timeout_s:.0f} s"
+    if "error" in answer:
+        return str(answer["error"])
+    if not answer["nodes"]:
+        return f"the Ray cluster at {address} has no node alive"
+    return None
 
 
 def connect(ray_address: str | None, cluster_dir: Path | None) -> None:

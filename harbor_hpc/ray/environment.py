@@ -40,7 +40,7 @@ from harbor_hpc.apptainer.environment import (
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
-from harbor_hpc.ray.connect import connect
+from harbor_hpc.ray.connect import cluster_problem, connect
 from harbor_hpc.ray.host import (
     CHUNK_BYTES,
     EnvironmentHost,
@@ -229,6 +229,15 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         problem = ray_missing()
         if problem is not None:
             raise SystemExit(f"{problem}: {INSTALL_HINT}")
+        # Once, before any trial: a cluster that does not answer would fail every environment,
+        # each after its own wait.
+        given = kwargs or {}
+        folder = given.get("ray_cluster_dir")
+        problem = cluster_problem(
+            given.get("ray_address"), Path(folder).expanduser() if folder else None
+        )
+        if problem is not None:
+            raise SystemExit(problem)
 
     @override
     def _validate_definition(self) -> None:

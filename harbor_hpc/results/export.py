@@ -34,7 +34,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
+from harbor_hpc.core.errors import HarborHpcError, InputError, choice, from_os_error
 from harbor_hpc.core.files import atomic_write_text, read_json
 from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_result
 from harbor_hpc.results.record import RunPaths, RunRecord, load_run, read_markers, run_umask
@@ -61,13 +61,16 @@ class LeftOut(StrEnum):
 def collect_rollouts(
     run_dir: Path, record: RunRecord, statuses: list[AttemptStatus]
 ) -> list[Rollout]:
-    """Every trial of the run that left a result.json, oldest first, then every attempt
-    `statuses` reports failed without one."""
+    """Every trial of the attempts in `statuses` that left a result.json, oldest first, then
+    every attempt `statuses` reports failed without one."""
     paths = RunPaths(run_dir)
     counted = {s.trial for s in statuses if s.trial is not None}
+    attempts = {(s.task, s.attempt) for s in statuses}
     rollouts: list[Rollout] = []
     seen: set[str] = set()
     for marker in read_markers(run_dir):
+        if (marker.task, marker.attempt) not in attempts:
+            continue
         trial_dir = paths.trial(marker.trial)
         if not (trial_dir / "result.json").is_file():
             continue
@@ -269,10 +272,12 @@ class Export:
 
 
 def rollout_lines(
-    run_dir: Path, statuses: list[AttemptStatus], *, fmt: ExportFormat = ExportFormat.FULL
+    run_dir: Path, statuses: list[AttemptStatus], *, fmt: ExportFormat | str = ExportFormat.FULL
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The run's rollouts in `fmt`, the lines `statuses` count marked, and how many rollouts a
-    trainer format left out, by reason: what `export` writes, for callers in Python."""
+    """The rollouts of the attempts in `statuses` (all the run's: what `export` writes) in
+    `fmt`, the lines they count marked, and how many rollouts a trainer format left out, by
+    reason. `fmt` is an ExportFormat or its value; anything else is refused."""
+    fmt = choice(ExportFormat, fmt, "--format")
     run_dir = run_dir.resolve()
     record = load_run(run_dir)
     rollouts = collect_rollouts(run_dir, record, statuses)
@@ -295,12 +300,13 @@ def export_run(
     out: Path,
     statuses: list[AttemptStatus],
     *,
-    fmt: ExportFormat = ExportFormat.FULL,
+    fmt: ExportFormat | str = ExportFormat.FULL,
     dry_run: bool = False,
 ) -> Export:
     """Write the run's rollouts to `out` (JSONL, atomically) in `fmt`, marking the lines
     `statuses` count. The file is as private as the run: its owner's (0600), or with the run's
     `--group-readable` also readable by the group (0640)."""
+    fmt = choice(ExportFormat, fmt, "--format")
     lines, left_out = rollout_lines(run_dir, statuses, fmt=fmt)
     if not dry_run:
         text = "".join(json.dumps(line, default=str) + "\n" for line in lines)

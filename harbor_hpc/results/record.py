@@ -244,6 +244,11 @@ class RunPaths:
     def submitit(self) -> Path:
         return self.root / "submitit"
 
+    @property
+    def cancel(self) -> Path:
+        """Says which submissions were cancelled; their workers stop their trials."""
+        return self.root / "cancel.json"
+
     def trial(self, name: str) -> Path:
         return self.trials / name
 
@@ -336,6 +341,24 @@ def create_run(run_dir: Path, record: RunRecord) -> None:
         save_run(run_dir, record)
 
 
+def cancel_submissions(run_dir: Path) -> int:
+    """Cancel every submission of the run made so far (a later resubmit is not): its workers
+    see it within seconds, end their trials (Harbor records `CancelledError`) and start no
+    more. Returns the number of the last cancelled submission."""
+    with file_lock(RunPaths(run_dir).lock):
+        through = len(load_run(run_dir).submissions)
+        atomic_write_json(RunPaths(run_dir).cancel, {"through": through, "at": now_iso()})
+    return through
+
+
+def cancelled_through(run_dir: Path) -> int:
+    """The number of the last cancelled submission of the run; 0 when none was."""
+    try:
+        return int(read_json(RunPaths(run_dir).cancel).get("through", 0))
+    except (HarborHpcError, AttributeError, TypeError, ValueError):
+        return 0  # none (or a foreign file): nothing cancelled
+
+
 def new_trial_name(task: str, attempt: int) -> str:
     """A fresh trial folder name: the task's last path part, the attempt, a random suffix."""
     base = Path(task).name if task != "." else "task"
@@ -361,12 +384,16 @@ class Marker:
     started_at: str
     error_type: str | None = None
     error_message: str | None = None
-    # The signal that told the job to stop while this trial ran (scancel, shutdown).
+    # What told the job to stop while this trial ran: a signal (scancel, shutdown), or
+    # CANCELLED (the run's submissions cancelled from Python, `cancel_submissions`).
     terminated_by: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Marker:
         return cls(**{key: data.get(key) for key in cls.__dataclass_fields__})  # type: ignore[arg-type]
+
+
+CANCELLED = "a cancel of the run"
 
 
 def write_marker(run_dir: Path, marker: Marker) -> None:

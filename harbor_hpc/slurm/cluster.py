@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.errors import HarborHpcError, InputError, choice
 from harbor_hpc.core.proc import QUICK_TIMEOUT_S, Ran, run
 
 if TYPE_CHECKING:  # submitit loads when a job is queued or awaited: `status` needs squeue only
@@ -81,11 +81,7 @@ def sbatch_found() -> bool:
 
 def choose_executor(executor: str) -> Executor:
     """The executor `--executor` names, `auto` resolved; Slurm only where sbatch is."""
-    try:
-        chosen = Executor(executor)
-    except ValueError:
-        known = ", ".join(Executor)
-        raise InputError(f"--executor {executor!r} is not one of {known}") from None
+    chosen = choice(Executor, executor, "--executor")
     if chosen is Executor.AUTO:
         return Executor.SLURM if sbatch_found() else Executor.LOCAL
     if chosen is Executor.SLURM:
@@ -605,10 +601,10 @@ def job_state(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
     return status[0] if status is not None else None
 
 
-def cancel(job_id: str, *, timeout: float = QUERY_TIMEOUT_S) -> None:
-    """End one job of the user's; one that already left the queue is not an error. Also in a
-    command told to stop: ending its own job is the stop's clean-up."""
-    hint = f"try `scancel {job_id}` by hand; {CONTROLLER_HINT}"
-    ran = _query(["scancel", job_id], timeout=timeout, hint=hint, cleanup=True)
+def cancel(*job_ids: str, timeout: float = QUERY_TIMEOUT_S) -> None:
+    """End jobs of the user's (one scancel); one that already left the queue is not an error.
+    Also in a command told to stop: ending its own job is the stop's clean-up."""
+    hint = f"try `scancel {' '.join(job_ids)}` by hand; {CONTROLLER_HINT}"
+    ran = _query(["scancel", *job_ids], timeout=timeout, hint=hint, cleanup=True)
     if not ran.ok and (ran.error or "Invalid job id" not in ran.stderr):
         raise _failed(ran, hint)

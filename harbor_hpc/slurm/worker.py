@@ -7,6 +7,10 @@ that already has a finished trial in this submission (or a successful one from a
 requeued element picks up where the killed one stopped and never runs a finished trial twice.
 A trial that was cut off midway is started again under a new trial name.
 
+A run's submissions cancelled from Python (`cancel_submissions`: a trainer's batch deadline)
+are seen within CANCEL_POLL_S: the worker cancels its trials (Harbor stops each environment and
+records `CancelledError`) and starts no more.
+
 litellm (terminus-2's model client) fetches its model cost map from the internet when it is
 first imported, unless LITELLM_LOCAL_MODEL_COST_MAP says to use the copy it ships: on a node
 without internet access every worker waited seconds for it (`use_local_cost_map`).
@@ -25,12 +29,15 @@ from typing import Any
 
 import submitit
 
+from harbor_hpc.apptainer.errors import error_policy_overrides
 from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.record import (
+    CANCELLED,
     Marker,
     RunPaths,
     RunRecord,
     Unit,
+    cancelled_through,
     load_run,
     new_trial_name,
     read_markers,
@@ -40,6 +47,7 @@ from harbor_hpc.results.record import (
 from harbor_hpc.results.status import latest_markers, read_outcome
 
 LOCAL_COST_MAP = "LITELLM_LOCAL_MODEL_COST_MAP"
+CANCEL_POLL_S = 1.0
 
 
 def use_local_cost_map() -> None:
@@ -79,6 +87,8 @@ class ChunkWorker(submitit.helpers.Checkpointable):
     def __call__(self, units: list[list[Any]]) -> dict[str, int]:
         use_local_cost_map()
         run_dir = Path(self.run_dir)
+        if cancelled_through(run_dir) >= self.submission:
+            return {"units": len(units), "ran": 0}
         record = load_run(run_dir)
         todo = self.units_left(run_dir, [Unit.from_json(u) for u in units])
         self._watch_termination()
@@ -123,7 +133,19 @@ class ChunkWorker(submitit.helpers.Checkpointable):
                 if self.terminated_by is None:  # a dying job starts nothing new
                     await self._run_trial(run_dir, record, unit)
 
-        await asyncio.gather(*(run_one(unit) for unit in units))
+        trials = [asyncio.create_task(run_one(unit)) for unit in units]
+        watch = asyncio.create_task(self._cancel_when_asked(run_dir, trials))
+        try:
+            await asyncio.gather(*trials, return_exceptions=True)
+        finally:
+            watch.cancel()
+
+    async def _cancel_when_asked(self, run_dir: Path, trials: list[asyncio.Task[None]]) -> None:
+        while cancelled_through(run_dir) < self.submission:
+            await asyncio.sleep(CANCEL_POLL_S)
+        self.terminated_by = CANCELLED
+        for trial in trials:
+            trial.cancel()
 
     async def _run_trial(self, run_dir: Path, record: RunRecord, unit: Unit) -> None:
         # Harbor is imported here, in the job, so that submitting stays quick.
@@ -156,6 +178,8 @@ class ChunkWorker(submitit.helpers.Checkpointable):
                 environment=EnvironmentConfig(
                     import_path=record.environment, kwargs=record.environment_kwargs
                 ),
+                # Harbor's error policy knows our environment's failures by these names.
+                override_error_policy=error_policy_overrides(),
             )
             trial = await Trial.create(config)
             # Harbor has just made the trial's folders world-writable, for Docker's sake.
@@ -164,6 +188,10 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             if self.terminated_by is not None:
                 marker.terminated_by = self.terminated_by
                 write_marker(run_dir, marker)
+        except asyncio.CancelledError:
+            # The run was cancelled: Harbor has stopped the environment and written result.json.
+            marker.terminated_by = self.terminated_by or CANCELLED
+            write_marker(run_dir, marker)
         except Exception as exc:
             # Harbor records failures inside trial.run in result.json; this is a failure before
             # it could (the environment refused the task, the agent name is unknown...).

@@ -1,41 +1,86 @@
 """Rollouts from Python, for trainers: run a folder of tasks N times, get the records back.
 
-    from harbor_hpc.api import RolloutRequest, run_rollouts
+    from harbor_hpc.api import RolloutRequest, run_rollouts, stream_rollouts
 
-    lines = run_rollouts(RolloutRequest(
+    request = RolloutRequest(
         tasks=Path("tasks"), run_dir=Path("runs/step-0042"), agent="terminus-2",
         model="openai/policy", agent_kwargs={"api_base": "http://10.0.0.5:8000/v1"},
-        attempts=8, concurrency=4,
-    ))
-    for line in lines:                    # one per attempt, schema harbor-hpc/rollout/v2
-        line["token_ids"], line["mask_ids"], line["reward"], line["trainable"]
+        agent_env=["OPENAI_API_KEY"], attempts=8, concurrency=4, format="harbor-rl",
+    )
+    lines = run_rollouts(request, progress=print)     # all of them, at the end
+    async for line in stream_rollouts(request):       # or each as its attempt ends
+        ...
 
-It is `submit --wait` then `export` in one call, through the very same code: the trials run in
-harbor-hpc's Apptainer environment (`harbor_hpc.environment:SingularityEnvironment`), by default
-as local processes of this machine (a trainer's own allocation), or as Slurm array jobs with
-`executor="slurm"`; the run folder is a run like any other (`status`, `resubmit`, `export` work
-on it), and the lines are those `export --format` writes, the attempts that count only. Secrets
-go by name (`agent_env`), their values read from this process's environment by the jobs,
-never written down. A training loop calls it from a thread (`asyncio.to_thread`) to keep
-serving while trials run.
+It is `submit --wait` then `export`, through the very same code, on any backend: the trials run
+in harbor-hpc's Apptainer environment as local processes of this machine (a trainer's own
+allocation), as Slurm array jobs (`executor="slurm"`), or driven from local processes here with
+their containers on a Ray cluster's nodes (`executor="ray"`, the `ray` extra: the cluster of
+`harbor-hpc ray up`, or `environment_kwargs={"ray_address": ...}`). The run folder is a run
+like any other on every backend (`status`, `resubmit`, `export` work on it).
+
+Everything a user can get wrong is raised once, before anything is queued, as an `InputError`
+that names the request's fields (not the CLI's flags): an unknown `format` or `executor`, a
+task without its image, a model server that does not answer, does not serve the model or sends
+no token ids (`model_server.py`), a Ray cluster that does not answer (in one bounded wait, not
+once per environment).
+
+A batch ends when every attempt has, or at its `deadline_s`: what is still running then is
+cancelled (its trials end `failed`, infrastructure, with a message that says so; `resubmit`
+runs them again) and the lines of what finished are returned. Leaving `stream_rollouts` early
+(a `break`) cancels what is left the same way. Each line is an attempt that counts, in
+`format`; `trainable` says whether its reward is valid (Harbor's error policy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import asyncio
+import contextlib
+import re
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT
+from harbor_hpc.core.errors import HarborHpcError, InputError, choice
+from harbor_hpc.results.classify import AttemptState
 from harbor_hpc.results.export import ExportFormat, rollout_lines
-from harbor_hpc.steps.runs import follow
+from harbor_hpc.results.status import RunStatus
+from harbor_hpc.slurm.cluster import Executor
+from harbor_hpc.steps.runs import cancel_run, follow
 from harbor_hpc.steps.submit import configured_options, submit_run
+
+RAY_ENVIRONMENT = "harbor_hpc.environment:RaySingularityEnvironment"
+
+
+class Backend(StrEnum):
+    """Where a batch's trials run: local processes here, Slurm array jobs (`auto`: Slurm where
+    sbatch is), or local processes here whose containers run on a Ray cluster's nodes."""
+
+    LOCAL = "local"
+    SLURM = "slurm"
+    AUTO = "auto"
+    RAY = "ray"
+
+    @property
+    def executor(self) -> Executor:
+        return Executor.LOCAL if self is Backend.RAY else Executor(self.value)
+
+    @property
+    def environment(self) -> str:
+        return RAY_ENVIRONMENT if self is Backend.RAY else ENVIRONMENT
 
 
 @dataclass
 class RolloutRequest:
     """What to run: every task under `tasks`, `attempts` times each, into `run_dir` (new, or
     the same run again to add nothing but what is missing). Fields left None take the value
-    harbor-hpc.toml gives the option of that name, as the CLI's flags do, else its default."""
+    harbor-hpc.toml gives the option of that name, as the CLI's flags do, else its default.
+    `format` and `executor` take their enum members or their string values; anything else is
+    refused here, when the request is made."""
 
     tasks: Path
     run_dir: Path
@@ -46,8 +91,9 @@ class RolloutRequest:
     agent_env: list[str] = field(default_factory=list)
     environment_kwargs: dict[str, Any] = field(default_factory=dict)
     attempts: int = 1
-    # Local processes of this machine (a trainer's own allocation), or "slurm" for array jobs.
-    executor: str = "local"
+    # Local processes of this machine (a trainer's own allocation), "slurm" for array jobs,
+    # "ray" for containers on a Ray cluster's nodes (Backend).
+    executor: Backend | str = Backend.LOCAL
     # None: from harbor-hpc.toml (cache_dir also from $HARBOR_HPC_CACHE), else the default.
     cache_dir: Path | None = None
     scratch_dir: Path | None = None
@@ -56,31 +102,181 @@ class RolloutRequest:
     account: str | None = None
     qos: str | None = None
     time_min: int | None = None
-    format: ExportFormat = ExportFormat.FULL
+    format: ExportFormat | str = ExportFormat.FULL
+    # Seconds from the submission after which what has not finished is cancelled.
+    deadline_s: float | None = None
+    # Ask the model server before the batch (False where only the compute nodes reach it).
+    model_check: bool = True
+
+    def __post_init__(self) -> None:
+        self.tasks = Path(self.tasks)
+        self.run_dir = Path(self.run_dir)
+        self.format = choice(ExportFormat, self.format, "format")
+        self.executor = choice(Backend, self.executor, "executor")
+        if self.deadline_s is not None and self.deadline_s <= 0:
+            raise InputError(f"deadline_s must be above 0, not {self.deadline_s}")
 
 
-def run_rollouts(request: RolloutRequest) -> list[dict[str, Any]]:
-    """Run the request's trials to the end and return the rollout lines of the attempts that
-    count (in `request.format`). Raises `HarborHpcError` for bad input, as the CLI reports it."""
-    options = configured_options(
-        None,  # harbor-hpc.toml here, as the CLI reads it
-        agent=request.agent,
-        model=request.model,
-        agent_kwargs=dict(request.agent_kwargs),
-        agent_env=list(request.agent_env),
-        environment_kwargs=dict(request.environment_kwargs),
-        cache_dir=request.cache_dir,
-        scratch_dir=request.scratch_dir,
-        executor=request.executor,
-        partition=request.partition,
-        account=request.account,
-        qos=request.qos,
-        time_min=request.time_min,
-        attempts=request.attempts,
-        concurrency=request.concurrency,
-    )
-    # One process (or element) runs `concurrency` trials at once.
-    submit_run(request.tasks, request.run_dir, replace(options, tasks_per_job=options.concurrency))
-    *_, final = follow(request.run_dir)
-    lines, _ = rollout_lines(request.run_dir, final.attempts, fmt=request.format)
-    return [line for line in lines if line.get("counts", True)]
+@dataclass(frozen=True)
+class Progress:
+    """Where a batch stands: attempts done (ended with a reward), failed, running, pending."""
+
+    done: int
+    failed: int
+    running: int
+    pending: int
+    total: int
+
+    @classmethod
+    def of(cls, status: RunStatus) -> Progress:
+        states = status.summary.states
+        return cls(
+            done=states[AttemptState.DONE],
+            failed=states[AttemptState.FAILED],
+            running=states[AttemptState.RUNNING],
+            pending=states[AttemptState.PENDING],
+            total=status.summary.total,
+        )
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+def run_rollouts(
+    request: RolloutRequest, *, progress: ProgressCallback | None = None
+) -> list[dict[str, Any]]:
+    """Run the request's trials to the end (or its deadline) and return the rollout lines of
+    the attempts that count, in `request.format`; `progress` is called whenever the counts
+    change. Raises `HarborHpcError` (`InputError` for a wrong setting) before the batch."""
+    return [line for batch in follow_rollouts(request, progress=progress) for line in batch]
+
+
+async def stream_rollouts(
+    request: RolloutRequest, *, progress: ProgressCallback | None = None
+) -> AsyncGenerator[dict[str, Any]]:
+    """The lines of `run_rollouts`, each as soon as its attempt has ended, for a trainer's
+    event loop (the waiting happens in a thread; `progress` is called from it). Leaving the
+    loop early cancels what has not finished."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[list[dict[str, Any]] | BaseException | None] = asyncio.Queue()
+    stop = threading.Event()
+
+    def pump() -> None:
+        batches = follow_rollouts(request, progress=progress)
+        try:
+            for batch in batches:
+                if stop.is_set():
+                    break
+                loop.call_soon_threadsafe(queue.put_nowait, batch)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        finally:
+            batches.close()  # cancels what is left when the caller stopped early
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    worker = asyncio.create_task(asyncio.to_thread(pump))
+    try:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            for line in item:
+                yield line
+    finally:
+        stop.set()
+        await asyncio.shield(worker)
+
+
+def follow_rollouts(
+    request: RolloutRequest, *, progress: ProgressCallback | None = None
+) -> Generator[list[dict[str, Any]]]:
+    """Submit the batch, then at every look at the run the lines of the attempts that ended
+    since the last (often none). Closing the generator before the end cancels the rest."""
+    backend = choice(Backend, request.executor, "executor")
+    with python_words():
+        options = configured_options(
+            None,  # harbor-hpc.toml here, as the CLI reads it
+            agent=request.agent,
+            model=request.model,
+            agent_kwargs=dict(request.agent_kwargs),
+            agent_env=list(request.agent_env),
+            environment_kwargs=dict(request.environment_kwargs),
+            cache_dir=request.cache_dir,
+            scratch_dir=request.scratch_dir,
+            executor=backend.executor,
+            environment=backend.environment,
+            partition=request.partition,
+            account=request.account,
+            qos=request.qos,
+            time_min=request.time_min,
+            attempts=request.attempts,
+            concurrency=request.concurrency,
+            model_check=request.model_check,
+            require_images=True,
+        )
+        # One process (or element) runs `concurrency` trials at once.
+        options = replace(options, tasks_per_job=options.concurrency)
+        result = submit_run(request.tasks, request.run_dir, options)
+    run_dir = result.run_dir
+    deadline = None if request.deadline_s is None else time.monotonic() + request.deadline_s
+    reported: set[tuple[str, int]] = set()
+    seen: Progress | None = None
+    finished = cancelled = False
+    try:
+        for status in follow(run_dir):
+            now = Progress.of(status)
+            if progress is not None and now != seen:
+                progress(now)
+            seen = now
+            ended = [
+                s
+                for s in status.attempts
+                if s.state in (AttemptState.DONE, AttemptState.FAILED)
+                and (s.task, s.attempt) not in reported
+            ]
+            reported.update((s.task, s.attempt) for s in ended)
+            lines = rollout_lines(run_dir, ended, fmt=request.format)[0] if ended else []
+            finished = status.summary.finished
+            yield [line for line in lines if line.get("counts", True)]
+            if deadline is not None and not cancelled and time.monotonic() > deadline:
+                cancel_run(run_dir)
+                cancelled = True
+    finally:
+        if not (finished or cancelled):
+            cancel_run(run_dir)
+
+
+# The CLI's words in messages and hints, and what a caller of this module calls them.
+_COMMANDS = {
+    "`harbor-hpc resubmit`": "`harbor_hpc.api.resubmit_run(run_dir)`",
+    "`harbor-hpc status`": "`harbor_hpc.api.run_status(run_dir)`",
+    "`harbor-hpc doctor`": "`harbor-hpc doctor` (a command)",
+}
+_FLAG = re.compile(r"--([a-z][a-z-]*)")
+
+
+def _field(match: re.Match[str]) -> str:
+    names = {f.name for f in fields(RolloutRequest)}
+    name = match.group(1).replace("-", "_")
+    for candidate in (name, f"{name}s"):  # --agent-kwarg: agent_kwargs
+        if candidate in names:
+            return candidate
+    return name
+
+
+def in_python_words(text: str) -> str:
+    """`text` with the CLI's flags named as the request's fields, its commands as functions."""
+    for command, function in _COMMANDS.items():
+        text = text.replace(command, function)
+    return _FLAG.sub(_field, text)
+
+
+@contextlib.contextmanager
+def python_words() -> Iterator[None]:
+    """Errors raised inside speak to a Python caller: fields and functions, not flags."""
+    try:
+        yield
+    except HarborHpcError as exc:
+        exc.message = in_python_words(exc.message)
+        exc.args = (exc.message,)
+        exc.hint = in_python_words(exc.hint) if exc.hint else exc.hint
+        raise

@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from harbor_hpc.results.export import Export, ExportFormat, export_run
-from harbor_hpc.results.record import load_run
+from harbor_hpc.results.record import Unit, cancel_submissions, load_run, read_markers
 from harbor_hpc.results.status import RunStatus, attempt_statuses
+from harbor_hpc.slurm import cluster
+from harbor_hpc.slurm.cluster import Executor
 from harbor_hpc.slurm.runs import live_jobs
 
 # `--wait` reads the run's files this often, and asks squeue (which every user of a login
@@ -28,7 +30,7 @@ def run_status(run_dir: Path) -> RunStatus:
 
 
 def export(
-    run_dir: Path, out: Path, *, fmt: ExportFormat = ExportFormat.FULL, dry_run: bool = False
+    run_dir: Path, out: Path, *, fmt: ExportFormat | str = ExportFormat.FULL, dry_run: bool = False
 ) -> Export:
     """The run's rollouts into `out` in `fmt`, each marked whether it is the trial `status`
     counts."""
@@ -54,3 +56,21 @@ def follow(
         if status.summary.finished:
             return
         time.sleep(every_s)
+
+
+def cancel_run(run_dir: Path) -> None:
+    """Stop what is left of the run: its workers end their trials within seconds (each ends
+    `failed`/infrastructure, for `resubmit` to run again) and start no more, and its Slurm
+    elements that have not started leave the queue. Finished trials stay as they are."""
+    through = cancel_submissions(run_dir)
+    record = load_run(run_dir)
+    started = {(m.submission, Unit(m.task, m.attempt)) for m in read_markers(run_dir)}
+    waiting = [
+        chunk.job
+        for sub in record.submissions[:through]
+        if sub.executor == Executor.SLURM
+        for chunk in sub.chunks
+        if chunk.job is not None and not any((sub.number, u) in started for u in chunk.units)
+    ]
+    if waiting:
+        cluster.cancel(*waiting)

@@ -131,6 +131,25 @@ def test_status_shows_the_node_and_its_free_resources(
     assert cluster["address"] in shown and "(head)" in shown
 
 
+def test_status_without_ray_here_says_so_not_that_the_head_is_lost(
+    started: tuple[dict[str, Any], subprocess.CompletedProcess[str]], cluster_dir: Path
+) -> None:
+    hidden = (
+        "import sys; sys.modules['ray'] = None; sys.argv = ['harbor-hpc', *sys.argv[1:]]; "
+        "from harbor_hpc.cli import main; main()"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", hidden, "ray", "status", "--cluster-dir", str(cluster_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 2, ran.stderr
+    assert "Ray is not installed here" in ran.stderr and "RUNNING" in ran.stderr
+    assert "head is lost" not in ran.stdout + ran.stderr
+
+
 def test_the_owner_runs_tasks_on_each_node_with_the_token_file(
     started: tuple[dict[str, Any], subprocess.CompletedProcess[str]],
 ) -> None:

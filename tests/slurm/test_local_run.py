@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from harbor_hpc.api import Progress, RolloutRequest, resubmit_run, stream_rollouts
 from tests.support.cli import cli_json
+from tests.support.processes import gone_within, processes_naming
 from tests.support.sample_tasks import make_task
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
@@ -24,3 +30,48 @@ def test_the_local_executor_runs_without_slurm(debian_sif: Path, tmp_path: Path)
     assert submitted["executor"] == "local"
     statuses = cli_json("status", str(run_dir))
     assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}
+
+
+def test_a_batch_streams_as_it_ends_and_its_deadline_cancels_the_rest(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """A trainer's batch from Python: each line as its attempt ends, progress as counts change,
+    and at the deadline the straggler is cancelled (named, not trainable, its container gone),
+    for `resubmit` to run again."""
+    tasks = tmp_path / "tasks"
+    for name in ("one", "two"):
+        make_task(tasks, name, image=str(debian_sif))
+    make_task(tasks, "straggler", kind="slow", image=str(debian_sif), agent_timeout_sec=900)
+    run_dir = tmp_path / "run"
+    request = RolloutRequest(
+        tasks=tasks, run_dir=run_dir, agent="oracle", concurrency=3, deadline_s=40
+    )
+    seen: list[Progress] = []
+
+    async def collect() -> list[tuple[dict[str, Any], float]]:
+        got = []
+        async with contextlib.aclosing(stream_rollouts(request, progress=seen.append)) as lines:
+            async for line in lines:
+                got.append((line, time.monotonic()))
+        return got
+
+    began = time.monotonic()
+    got = asyncio.run(collect())
+    lines = {line["task"]: line for line, _ in got}
+    assert [(lines[t]["reward"], lines[t]["trainable"]) for t in ("one", "two")] == [
+        (1.0, True),
+        (1.0, True),
+    ]
+    solved_at = max(at for line, at in got if line["task"] != "straggler") - began
+    assert solved_at < 40, "the solved ones stream before the deadline"
+    straggler = lines["straggler"]
+    assert (straggler["failure"], straggler["trainable"]) == ("infrastructure", False)
+    assert "a cancel of the run" in straggler["message"]
+    assert seen[0].total == 3 and seen[-1] == Progress(
+        done=2, failed=1, running=0, pending=0, total=3
+    )
+    assert any(p.running for p in seen)
+    assert gone_within(15, lambda: [p.name() for p in processes_naming(str(run_dir))]) == []
+    # The run is a run like any other: the cancelled attempt is the one to run again.
+    again = resubmit_run(run_dir, dry_run=True)
+    assert [unit.task for unit in again.units] == ["straggler"]
