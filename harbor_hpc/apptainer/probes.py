@@ -13,6 +13,7 @@ never an exception.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import platform
@@ -407,10 +408,12 @@ def task_container_finding(image: Path) -> Finding:
 
 @contextmanager
 def probe_image(binary: str, cache_dir: Path) -> Iterator[Path]:
-    """A tiny SIF (a shell and its libraries), built once into the cache, else a temp folder;
-    compressed as the store's images are, so that the probes run what tasks will run."""
+    """A tiny SIF (PROBE_PROGRAMS and their libraries), built once into the cache, else a temp
+    folder; compressed as the store's images are, so that the probes run what tasks will run.
+    Its name says what it holds: an image of an older harbor-hpc (a shell only) is not used."""
     compression = f"-{SQUASHFS_COMPRESSION}" if squashfs_options() else ""
-    cached = cache_dir / ".doctor" / f"probe-{platform.machine()}{compression}.sif"
+    holds = hashlib.sha256(" ".join(PROBE_PROGRAMS).encode()).hexdigest()[:8]
+    cached = cache_dir / ".doctor" / f"probe-{platform.machine()}-{holds}{compression}.sif"
     if not cached.is_file():
         try:
             cached.parent.mkdir(parents=True, exist_ok=True)
@@ -445,9 +448,16 @@ def _build_probe_image(binary: str, target: Path) -> None:
         os.replace(partial, target)
 
 
+# What the probe image holds: a shell, and what Apptainer's own scripts in the container run
+# (`/.singularity.d/libs/fakeroot`, the fakeroot command Apptainer runs for users without
+# subuid ranges, parses its options with `getopt` and runs `cat`, `sed`, `cut`, `ls`, `sleep`),
+# as any image a task runs in has them.
+PROBE_PROGRAMS = ("sh", "cat", "getopt", "sed", "cut", "ls", "sleep")
+
+
 def _make_rootfs(rootfs: Path) -> None:
-    """A root file system holding /bin/sh: a static busybox if there is one, else the host's
-    shell with the libraries `ldd` names (which keeps the image under 2 MB)."""
+    """A root file system holding PROBE_PROGRAMS in /bin: a static busybox's applets if there
+    is one, else the host's programs with the libraries `ldd` names (under 2 MB)."""
     (rootfs / "bin").mkdir(parents=True)
     (rootfs / "etc").mkdir()
     for name in ("passwd", "group"):  # apptainer appends the user to these
@@ -456,16 +466,23 @@ def _make_rootfs(rootfs: Path) -> None:
     if busybox:
         linked = run(["ldd", busybox])
         if "not a dynamic" in linked.stdout + linked.stderr:
-            shutil.copy(busybox, rootfs / "bin" / "sh")
+            shutil.copy(busybox, rootfs / "bin" / "busybox")
+            for program in PROBE_PROGRAMS:
+                (rootfs / "bin" / program).symlink_to("busybox")
             return
-    shell = shutil.which("sh") or "/bin/sh"
-    libraries = run(["ldd", shell])
+    for program in PROBE_PROGRAMS:
+        _copy_program(program, rootfs)
+
+
+def _copy_program(name: str, rootfs: Path) -> None:
+    found = shutil.which(name) or f"/bin/{name}"
+    libraries = run(["ldd", found])
     if not libraries.ok:
         raise HarborHpcError(
-            f"no image to run: cannot list the libraries of {shell} ({libraries.why()})",
+            f"no image to run: cannot list the libraries of {found} ({libraries.why()})",
             hint="install busybox-static, or put ldd on PATH",
         )
-    shutil.copy(shell, rootfs / "bin" / "sh")
+    shutil.copy(found, rootfs / "bin" / name)
     for line in libraries.stdout.splitlines():
         path = next((word for word in line.split() if word.startswith("/")), None)
         if path:
