@@ -62,6 +62,8 @@ def test_no_tools_on_path_exits_nonzero_and_names_what_is_missing(tmp_path: Path
     for name in ("Apptainer", "Slurm", "Docker", "module load apptainer", "DOCKER_HOST"):
         assert name in output
     assert "not ready for every role" in output
+    # Nothing padded to the terminal's width: pasted into an issue, no line drags blanks.
+    assert [line for line in done.stdout.splitlines() if line != line.rstrip()] == []
 
 
 def test_no_tools_json_lists_every_check(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -56,7 +57,7 @@ def doctor(
     except HarborHpcError as exc:  # a broken config file is one more finding, not the end
         config_problem = exc
     report = run_doctor(role, cache_dir)
-    render(report, json=json, show=lambda shown: stdout.print(_checklist(shown)))
+    render(report, json=json, show=lambda shown: _print_trimmed(_checklist(shown)))
     if config_problem is not None:
         console.print(
             f"[yellow]warning:[/] config ignored: {config_problem.message}", highlight=False
@@ -73,6 +74,15 @@ def doctor(
         )
         raise ReportedFailure
     console.print(f"[green]ready[/] for {_roles(role)}", highlight=False)
+
+
+def _print_trimmed(renderable: RenderableType) -> None:
+    """Print without the blanks a grid pads its lines with to its width: pasted into an issue
+    or a chat, the checklist drags none."""
+    with stdout.capture() as captured:
+        stdout.print(renderable)
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+    sys.stdout.flush()
 
 
 def _roles(role: str) -> str:

@@ -393,7 +393,7 @@ def _show_status(found: RunStatus, *, verbose: bool) -> None:
             escape(s.task),
             str(s.attempt),
             f"[{colours[s.state]}]{s.state}[/]",
-            "" if s.reward is None else f"{s.reward:g}",
+            "" if s.reward is None else f"{s.reward:.3f}",  # as the summary's mean
             s.failure or "",
         ]
         table.add_row(*row, *([escape(s.trial or "")] if verbose else []))
