@@ -5,7 +5,9 @@ outside the cluster of `ray up`, has none, and `ray.init` would end its process.
 it one (`ray start --num-cpus=0 --num-gpus=0`, so that nothing is placed there), at the address
 this machine reaches the cluster from, with its files in a private temporary folder. The node
 is tied to the driver by a pipe: when the driver ends, however it ends, the node ends and its
-folder goes (`python -m harbor_hpc.ray.local_node ADDRESS IP` is that node's keeper).
+folder goes (`python -m harbor_hpc.ray.local_node ADDRESS IP` is that node's keeper). What
+`ray start` prints (its banner) goes to a log in that folder, never to the driver's stdout (a
+trainer's may be JSON lines); the log's tail goes to stderr should the node fail.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def start(address: str, ip: str, alive: Callable[[], set[str]]) -> None:
 def main(address: str, ip: str) -> int:
     private = PrivateDir("harbor-hpc-ray-driver-")
     env = dict(os.environ, RAY_TMPDIR=str(private.path))
+    log_path = private.path / "ray-start.log"
+    log = log_path.open("wb")
     ray = subprocess.Popen(
         [
             sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
@@ -65,6 +69,9 @@ def main(address: str, ip: str) -> int:
             "--num-gpus=0", "--disable-usage-stats",
         ],
         env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )  # fmt: skip
 
     def driver_gone() -> None:
@@ -73,9 +80,14 @@ def main(address: str, ip: str) -> int:
 
     threading.Thread(target=driver_gone, daemon=True).start()
     try:
-        return ray.wait()
+        code = ray.wait()
+        if code not in (0, -15):  # not ended by the driver's going (SIGTERM)
+            tail = log_path.read_text(errors="replace").splitlines()[-20:]
+            sys.stderr.write(f"ray start ({ip}) ended with {code}:\n" + "\n".join(tail) + "\n")
+        return code
     finally:
         stop_ray(ray)
+        log.close()
         private.remove()
 
 
