@@ -10,7 +10,10 @@ fidelity and memory watchdog. Commands and files go through Ray calls, files in 
 Nothing waits on a host blindly: a call that has not answered within `LIVENESS_SEC` probes its
 host (and, when the host is silent, the cluster about its node), and a node lost, a host killed
 or a cluster gone ends the environment with `EnvironmentHostUnavailable` naming the node, an
-infrastructure failure (never trainable); a host that is only busy is waited for.
+infrastructure failure (never trainable); a host that is only busy is waited for. A host Ray
+calls temporarily unavailable (`ActorUnavailableError`: a connection broken, say by another
+node's loss, the call run or not) is waited for while its node lives, and the call asked
+again with its id, which the host runs once (host.py): never a reason to end the environment.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, ClassVar, override
 
@@ -62,6 +67,10 @@ PROBE_TIMEOUT_SEC = 30.0
 PROBE_GROUP = "probe"
 # What a command with a timeout gets beyond it to come back, before its host is given up on.
 CALL_GRACE_SEC = 30.0
+# How long a host Ray calls temporarily unavailable is waited for while its node lives, and
+# how long its cluster may take to take a connection before it counts as gone.
+UNAVAILABLE_WAIT_SEC = 120.0
+GCS_CONNECT_SEC = 3.0
 STOP_TIMEOUT_SEC = 60.0
 # Harbor's own kwargs the container's host has no use for: the trial's log folders are not
 # mounted from the driver's filesystem (they are copied, `mounted=False`).
@@ -122,6 +131,20 @@ def _node_alive(node_id: str) -> bool:
     """Whether the cluster counts the node alive; blocks while it does not answer."""
     record = _node_record(node_id)
     return bool(record and record["Alive"])
+
+
+def _cluster_unreachable() -> str | None:
+    """Why the cluster's GCS takes no connection at all (its head gone: refused; its network
+    cut: no answer within GCS_CONNECT_SEC), or None when it takes one. A loaded GCS still
+    takes connections: the kernel answers for it."""
+    import ray
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=GCS_CONNECT_SEC).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def _forget_host(node_id: str) -> None:
@@ -220,7 +243,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
         if self._host is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
-        await self._call(self._host.set_network_policy.remote(self._id, network_policy))
+        await self._call("set_network_policy", self._id, network_policy)
 
     @classmethod
     @override
@@ -264,48 +287,88 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             f"{(self._node_id or '?')[:12]}) {what}"
         )
 
-    async def _call(self, ref: Any, timeout_sec: float | None = None) -> Any:
-        """What a host call returns or raised there; its host's loss as one error, found
-        by probing the host whenever the call is quiet for LIVENESS_SEC."""
+    async def _call(self, method: str, *args: Any, timeout_sec: float | None = None) -> Any:
+        """The host's `method(*args)`, run there once (`EnvironmentHost.call`) however often
+        it must be asked."""
+        assert self._host is not None
+        call = functools.partial(self._host.call.remote, uuid.uuid4().hex, method, *args)
+        return await self._ask(call, timeout_sec)
+
+    async def _ask(self, make: Callable[[], Any], timeout_sec: float | None = None) -> Any:
+        """What the call `make()` sends returns or raised there; its host's loss as one error,
+        found by probing the host whenever the call is quiet for LIVENESS_SEC; the same call
+        sent again once a host Ray called unavailable answers again."""
         import ray
+        from ray.exceptions import ActorUnavailableError
 
         loop = asyncio.get_running_loop()
-        answer = asyncio.wrap_future(ref.future())
         deadline = None if timeout_sec is None else loop.time() + timeout_sec + CALL_GRACE_SEC
-        try:
-            while True:
-                wait = LIVENESS_SEC if deadline is None else max(0, deadline - loop.time())
-                done, _ = await asyncio.wait({answer}, timeout=min(wait, LIVENESS_SEC))
-                if done:
-                    break
-                if deadline is not None and loop.time() >= deadline:
-                    raise self._unavailable(f"did not answer within {timeout_sec} s and more")
-                await self._probe()
-        except asyncio.CancelledError:
-            ray.cancel(ref)  # the command stops there too (Harbor gave up on it)
-            raise
-        return self._result(answer)
+        while True:
+            ref = make()
+            answer = asyncio.wrap_future(ref.future())
+            try:
+                while True:
+                    wait = LIVENESS_SEC if deadline is None else max(0, deadline - loop.time())
+                    done, _ = await asyncio.wait({answer}, timeout=min(wait, LIVENESS_SEC))
+                    if done:
+                        break
+                    if deadline is not None and loop.time() >= deadline:
+                        raise self._unavailable(f"did not answer within {timeout_sec} s and more")
+                    await self._probe()
+            except asyncio.CancelledError:
+                ray.cancel(ref)  # the command stops there too (Harbor gave up on it)
+                raise
+            try:
+                return self._result(answer)
+            except ActorUnavailableError as exc:
+                await self._wait_until_available(_first_sentence(exc))
 
     def _result(self, answer: asyncio.Future[Any]) -> Any:
-        from ray.exceptions import RayError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayError, RayTaskError
 
         try:
             return answer.result()
         except RayTaskError as exc:
             # What the host raised, as it raised it: Harbor records the type by name.
             raise exc.cause from None
+        except ActorUnavailableError:
+            raise  # for the caller to wait for, and ask again
         except RayError as exc:
             raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
 
-    async def _probe(self) -> None:
-        """Raises `EnvironmentHostUnavailable` unless the host answers, or the cluster still
-        counts its node alive (a host busy starting containers is slow, not lost)."""
-        from ray.exceptions import RayError
+    async def _wait_until_available(self, why: str) -> None:
+        """Until the host answers again; its node's loss, or UNAVAILABLE_WAIT_SEC without an
+        answer, ends the environment."""
+        self.logger.info(
+            "task %s: Ray calls its host on %s unavailable (%s): waiting for it",
+            self.environment_name,
+            self._node,
+            why,
+        )
+        give_up = asyncio.get_running_loop().time() + UNAVAILABLE_WAIT_SEC
+        unreachable = await asyncio.to_thread(_cluster_unreachable)
+        if unreachable is not None:  # the cluster itself is gone: nothing to wait for
+            raise self._unavailable(f"was lost with its Ray cluster ({unreachable})")
+        while not await self._probe():
+            if asyncio.get_running_loop().time() > give_up:
+                raise self._unavailable(
+                    f"was unavailable to Ray calls for {UNAVAILABLE_WAIT_SEC:g} s ({why})"
+                )
+            await asyncio.sleep(1)
 
+    async def _probe(self) -> bool:
+        """Whether the host answers (True), or only its node still lives in the cluster
+        (False: a host busy starting containers is slow, not lost, and one Ray calls
+        unavailable may come back); anything else raises `EnvironmentHostUnavailable`."""
+        from ray.exceptions import ActorUnavailableError, RayError
+
+        assert self._host is not None
         probe = self._host.where.options(concurrency_group=PROBE_GROUP).remote()
         try:
             await asyncio.wait_for(asyncio.wrap_future(probe.future()), PROBE_TIMEOUT_SEC)
-            return
+            return True
+        except ActorUnavailableError:
+            pass  # its node decides
         except RayError as exc:
             raise self._unavailable(f"was lost: {_first_sentence(exc)}") from None
         except TimeoutError:
@@ -322,10 +385,11 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         if not alive:
             raise self._unavailable("is no longer alive in the Ray cluster")
         self.logger.debug(
-            "task %s: the host on %s is slow to answer; its node lives",
+            "task %s: the host on %s does not answer yet; its node lives",
             self.environment_name,
             self._node,
         )
+        return False
 
     # -- start ---------------------------------------------------------------------------
 
@@ -382,7 +446,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         )
         try:
             await self._place()
-            await self._call(self._host.start.remote(self._id, spec, force_build))
+            await self._call("start", self._id, spec, force_build)
             await self.ensure_dirs(self._mount_targets(writable_only=True))
         except BaseException:
             await self.stop(delete=True)
@@ -404,7 +468,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         request = ExecRequest(
             self._id, command, cwd, self._merge_env(env), timeout_sec, self._resolve_user(user)
         )
-        stdout, stderr, code = await self._call(self._host.exec.remote(request), timeout_sec)
+        stdout, stderr, code = await self._call("exec", request, timeout_sec=timeout_sec)
         callback = self._output_callback()
         if callback is not None:  # the output as a whole: it is not streamed from the node
             for text, stream in ((stdout, "stdout"), (stderr, "stderr")):
@@ -423,30 +487,31 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
         transfer = self._transfer_id()
         chunk = await asyncio.to_thread(source.read, CHUNK_BYTES)
+        offset = 0
         while True:
             following = await asyncio.to_thread(source.read, CHUNK_BYTES)
             if not following:
                 break
-            await self._call(self._host.put.remote(transfer, chunk))
+            await self._call("put", transfer, offset, chunk)
+            offset += len(chunk)
             chunk = following
-        await self._call(self._host.upload.remote(self._id, transfer, chunk, target, is_dir))
+        await self._call("upload", self._id, transfer, offset, chunk, target, is_dir)
 
     async def _receive(
         self, source: str, is_dir: bool, into: IO[bytes], service: str | None = None
     ) -> None:
         if self._host is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
-        transfer = self._transfer_id()
-        chunk = await self._call(
-            self._host.download.remote(self._id, transfer, source, is_dir, service)
-        )
+        host, transfer = self._host, self._transfer_id()
+        await self._call("download", self._id, transfer, source, is_dir, service)
         offset = 0
         while True:
+            chunk = await self._ask(functools.partial(host.take.remote, transfer, offset))
             await asyncio.to_thread(into.write, chunk)
             offset += len(chunk)
             if len(chunk) < CHUNK_BYTES:
-                return
-            chunk = await self._call(self._host.take.remote(transfer, offset))
+                break
+        await self._ask(functools.partial(host.forget.remote, transfer))
 
     @override
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
@@ -487,7 +552,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
         # As Harbor's compose providers: a service's exec takes nothing of main's defaults.
         request = ExecRequest(self._id, command, cwd, env, timeout_sec, user, service)
-        stdout, stderr, code = await self._call(self._host.exec.remote(request), timeout_sec)
+        stdout, stderr, code = await self._call("exec", request, timeout_sec=timeout_sec)
         return ExecResult(stdout=stdout, stderr=stderr, return_code=code)
 
     @override
@@ -512,7 +577,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
     async def stop_service(self, service: str) -> None:
         if self._host is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
-        await self._call(self._host.stop_service.remote(self._id, service))
+        await self._call("stop_service", self._id, service)
 
     # -- stop ---------------------------------------------------------------------------
 
@@ -521,7 +586,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         try:
             if self._host is not None and not self._lost:
                 try:
-                    await self._call(self._host.stop.remote(self._id, delete), STOP_TIMEOUT_SEC)
+                    await self._call("stop", self._id, delete, timeout_sec=STOP_TIMEOUT_SEC)
                 except EnvironmentHostUnavailable as exc:
                     self.logger.warning("%s; nothing left to stop there", exc)
         finally:

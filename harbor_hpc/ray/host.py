@@ -9,6 +9,12 @@ served, instead of a Python process per container. The driver reaches them by th
 Files cross in chunks (`CHUNK_BYTES`), a folder as an uncompressed tar: neither side ever
 holds more than a chunk of a big folder in memory, and each chunk is one Ray call. What is
 in transit waits in the host's private folder (0700, on the node's scratch space).
+
+Every call that changes something goes through `call` with an id of the driver's: Ray answers
+a call whose connection broke with `ActorUnavailableError` ("the task may or may not have been
+executed"), and the driver, once the host answers again, asks again with the same id. The host
+runs each id once and hands a repeated one the first run's outcome, so that no container starts
+twice and no command runs twice. Reads (`take`) and the probe (`where`) are safe to repeat.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import shutil
 import socket
 import tarfile
 import tempfile
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
@@ -33,6 +40,12 @@ from harbor_hpc.apptainer.errors import ContainerStartFailed
 # One Ray call's worth of a transfer: big enough that a folder of gigabytes is a few hundred
 # calls, small enough that neither side notices holding it.
 CHUNK_BYTES = 8 << 20
+# The host's methods `call` runs once per id, and how many finished outcomes it keeps for a
+# driver that asks again (a command's output at most: transfers return nothing).
+ONCE = frozenset(
+    {"start", "exec", "set_network_policy", "stop_service", "put", "upload", "download", "stop"}
+)
+KEEP_OUTCOMES = 256
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,21 @@ class EnvironmentHost:
         self._environments: dict[str, SingularityEnvironment] = {}
         self._dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-ray-host-"))  # 0700
         self._logger = logging.getLogger("harbor_hpc.ray.host")
+        self._calls: OrderedDict[str, asyncio.Task[Any]] = OrderedDict()
+
+    async def call(self, call_id: str, method: str, *args: Any) -> Any:
+        """`method(*args)`, run once for `call_id`: asked again (the driver lost the answer),
+        the same run's outcome. Cancelled (the driver gave up on it), the run stops."""
+        if method not in ONCE:
+            raise ValueError(f"not a method of the host: {method}")
+        running = self._calls.get(call_id)
+        if running is None:
+            running = asyncio.ensure_future(getattr(self, method)(*args))
+            self._calls[call_id] = running
+            finished = [key for key, task in self._calls.items() if task.done()]
+            for key in finished[: max(0, len(self._calls) - KEEP_OUTCOMES)]:
+                del self._calls[key]
+        return await running
 
     async def where(self) -> str:
         """The node's name: the liveness probe, run in a thread of its own (the `probe`
@@ -137,17 +165,26 @@ class EnvironmentHost:
     def _transfer(self, transfer_id: str) -> Path:
         return self._dir / f"{transfer_id}.part"
 
-    async def put(self, transfer_id: str, chunk: bytes) -> None:
-        """One more chunk of an upload: all of them but its last."""
-        with self._transfer(transfer_id).open("ab") as part:
-            part.write(chunk)
+    async def put(self, transfer_id: str, offset: int, chunk: bytes) -> None:
+        """A chunk of an upload at `offset`: all of them but its last."""
+        part = self._transfer(transfer_id)
+        with part.open("r+b" if part.exists() else "wb") as file:
+            file.seek(offset)
+            file.write(chunk)
 
     async def upload(
-        self, env_id: str, transfer_id: str, last_chunk: bytes, target: str, is_dir: bool
+        self,
+        env_id: str,
+        transfer_id: str,
+        offset: int,
+        last_chunk: bytes,
+        target: str,
+        is_dir: bool,
     ) -> None:
-        """The upload's last chunk, then its whole into the container at `target`."""
+        """The upload's last chunk (at `offset`), then its whole into the container at
+        `target`."""
         environment = self._environment(env_id)
-        await self.put(transfer_id, last_chunk)
+        await self.put(transfer_id, offset, last_chunk)
         part = self._transfer(transfer_id)
         staged = self._dir / transfer_id
         try:
@@ -163,9 +200,9 @@ class EnvironmentHost:
 
     async def download(
         self, env_id: str, transfer_id: str, source: str, is_dir: bool, service: str | None
-    ) -> bytes:
-        """Take `source` out of the container (or the pod's compose `service`); its first chunk
-        (a folder as a tar), and the rest through `take` until a chunk comes back short."""
+    ) -> None:
+        """Take `source` out of the container (or the pod's compose `service`) into the host's
+        folder (a folder as a tar), for `take` to hand over chunk by chunk."""
         environment = self._environment(env_id)
         part = self._transfer(transfer_id)
         if is_dir:
@@ -178,17 +215,16 @@ class EnvironmentHost:
                 shutil.rmtree(staged, ignore_errors=True)
         else:
             await environment.service_download_file(source, part, service=service)
-        return await self.take(transfer_id, 0)
 
     async def take(self, transfer_id: str, offset: int) -> bytes:
-        """The download's chunk at `offset`; a short one is its last, and ends the transfer."""
-        part = self._transfer(transfer_id)
-        with part.open("rb") as archive:
+        """The download's chunk at `offset` (a short one is its last); safe to ask again."""
+        with self._transfer(transfer_id).open("rb") as archive:
             archive.seek(offset)
-            chunk = archive.read(CHUNK_BYTES)
-        if len(chunk) < CHUNK_BYTES:
-            part.unlink(missing_ok=True)
-        return chunk
+            return archive.read(CHUNK_BYTES)
+
+    async def forget(self, transfer_id: str) -> None:
+        """The download is over: its file goes."""
+        self._transfer(transfer_id).unlink(missing_ok=True)
 
     async def stop(self, env_id: str, delete: bool) -> None:
         environment = self._environments.pop(env_id, None)

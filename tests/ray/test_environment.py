@@ -56,9 +56,15 @@ def show(**values):
 
 
 def drive(
-    body: str, sif: Path, folder: Path, cluster_dir: str | Path, *more: str
+    body: str,
+    sif: Path,
+    folder: Path,
+    cluster_dir: str | Path,
+    *more: str,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
-    """Start a driver process running `body` (an `async def main()` and what it needs)."""
+    """Start a driver process running `body` (an `async def main()` and what it needs), in
+    this environment and `env`."""
     script = DRIVER + body + "\nasyncio.run(main())\n"
     return subprocess.Popen(
         [sys.executable, "-c", script, str(sif), str(folder), str(cluster_dir), *more],
@@ -66,6 +72,7 @@ def drive(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -278,3 +285,51 @@ def test_harbor_trial_start_loads_it_by_import_path_and_scores_the_oracle(
     result = trial_result(task, tmp_path / "trials", trial)
     assert result["exception_info"] is None, result["exception_info"]
     assert reward(result) == 1.0
+
+
+# Ray's own fault injection in the driver: calls to the hosts fail, the request lost before the
+# host runs it or the answer lost after (Ray then says ActorUnavailableError: "the task may or
+# may not have been executed").
+LOSSY = """
+async def main():
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    environment = make("lossy")
+    await environment.start(False)
+    counts = []
+    for _ in range(16):
+        result = await environment.exec("echo x >> /tmp/runs; wc -l < /tmp/runs", timeout_sec=30)
+        counts.append(int(result.stdout))
+    sent = FOLDER / "sent.bin"
+    sent.write_bytes(os.urandom(3 << 20))
+    await environment.upload_file(sent, "/tmp/sent.bin")
+    await environment.download_file("/tmp/sent.bin", FOLDER / "back.bin")
+    show(counts=counts, same=(FOLDER / "back.bin").read_bytes() == sent.read_bytes())
+    await environment.stop(True)
+"""
+
+
+def test_calls_whose_answer_ray_lost_are_asked_again_and_run_once(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    """A host Ray calls temporarily unavailable is waited for and asked again, never the end of
+    the environment; no command runs twice, no file crosses twice."""
+    lossy = {
+        "CoreWorkerService.grpc_client.PushTask": {
+            "num_failures": 10,
+            "req_failure_prob": 20,
+            "resp_failure_prob": 20,
+        }
+    }
+    driver = drive(
+        LOSSY,
+        debian_sif,
+        tmp_path,
+        ray_cluster["cluster_dir"],
+        env={"RAY_testing_rpc_failure": json.dumps(lossy)},
+    )
+    out, err = driver.communicate(timeout=300)
+    assert driver.returncode == 0, err[-3000:]
+    (answer,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert answer["counts"] == list(range(1, 17)), "each command ran once, in order"
+    assert answer["same"]
+    assert "unavailable" in err, "no call was lost: the injection did not reach the hosts"

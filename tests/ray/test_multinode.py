@@ -127,6 +127,98 @@ async def main():
 """
 
 
+# Eight environments on each node (a quarter CPU each of a node's two), each running a short
+# command that keeps a processor busy, again and again: the box loaded by the fleet itself.
+# The test says when it killed a node ("killed": each counts its commands from then on) and
+# when to stop.
+BUSY_FLEET = """
+PER_NODE = 8
+BUSY = "timeout 0.5 sh -c 'while :; do :; done'; echo ok"
+
+async def main():
+    environments = [make(f"e{i}", memory_mb=128, ray_cpus=0.25) for i in range(3 * PER_NODE)]
+    await asyncio.gather(*(e.start(False) for e in environments))
+    show(nodes=[e.node for e in environments])
+    done = {e.environment_name: 0 for e in environments}
+    stop = asyncio.Event()
+
+    async def keep_busy(environment):
+        try:
+            while not stop.is_set():
+                result = await environment.exec(BUSY, timeout_sec=120)
+                done[environment.environment_name] += result.stdout.strip() == "ok"
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    loops = [asyncio.create_task(keep_busy(e)) for e in environments]
+    await asyncio.to_thread(sys.stdin.readline)  # "killed"
+    at_kill = dict(done)
+    await asyncio.to_thread(sys.stdin.readline)  # "stop"
+    stop.set()
+    errors = await asyncio.gather(*loops)
+    show(results=[
+        dict(node=e.node, after=done[e.environment_name] - at_kill[e.environment_name], error=error)
+        for e, error in zip(environments, errors)
+    ])
+    await asyncio.gather(*(e.stop(True) for e in environments))
+    show(stopped=True)
+"""
+
+
+def lose_a_node_under_a_busy_fleet(
+    cluster: MultiNode, sif: Path, cluster_dir: Path, *, run_after_s: float = 25
+) -> list[dict[str, Any]]:
+    """24 environments, 8 a node, all running commands; n2 crashes; the fleet runs on for
+    `run_after_s`: what each environment did after the crash (commands, or the error that
+    ended it), once the driver stopped them all."""
+    driver = drive(BUSY_FLEET, sif, cluster.work / "busy", cluster_dir)
+    try:
+        placed = next_line(driver)["nodes"]
+        assert sorted(placed.count(ip) for ip in NODES) == [8, 8, 8], placed
+        time.sleep(5)  # the fleet at work
+        cluster.node("crash", "n2")
+        assert driver.stdin is not None
+        driver.stdin.write("killed\n")
+        driver.stdin.flush()
+        time.sleep(run_after_s)
+        driver.stdin.write("stop\n")
+        driver.stdin.flush()
+        results: list[dict[str, Any]] = next_line(driver)["results"]
+        assert next_line(driver) == {"stopped": True}
+        driver.wait(timeout=120)
+        return results
+    finally:
+        driver.kill()
+        driver.communicate()
+
+
+def only_the_lost_nodes_environments_ended(results: list[dict[str, Any]]) -> list[str]:
+    """What went wrong, environment by environment: one on the lost node that did not end with
+    its node named, one elsewhere that ended or did nothing after the crash."""
+    wrong = []
+    for number, result in enumerate(results):
+        error = result["error"] or ""
+        if result["node"] == ADDRESS["n2"]:
+            if not error.startswith("EnvironmentHostUnavailable: task e"):
+                wrong.append(f"e{number} on the lost node: {result}")
+        elif error or result["after"] == 0:
+            wrong.append(f"e{number} on {result['node']}: {result}")
+    return wrong
+
+
+def test_a_node_lost_under_a_busy_fleet_ends_only_its_own_environments(
+    faulty_nodes: MultiNode, multinode_sif: Path
+) -> None:
+    cluster_dir = faulty_nodes.work / "ray"
+    ray_up(faulty_nodes, cluster_dir)
+    try:
+        results = lose_a_node_under_a_busy_fleet(faulty_nodes, multinode_sif, cluster_dir)
+    finally:
+        cli("ray", "down", "--cluster-dir", str(cluster_dir), env=faulty_nodes.env, check=False)
+    assert only_the_lost_nodes_environments_ended(results) == []
+
+
 # Ray's health checks (which a Ray node inherits from `up`'s environment through the job):
 # every 2 s, given up after 3 s, three missed in a row; a node cut off is found dead in some
 # 15 s rather than Ray's minute (every 3 s, 10 s, five in a row).
