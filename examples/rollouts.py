@@ -58,6 +58,8 @@ async def main() -> int:
             run_dir=args.run_dir,
             agent="terminus-2",
             model=args.model,
+            # terminus-2 records an asciinema cast of its terminal unless told not to: most
+            # images have no asciinema, and a trainer has no use for the cast.
             agent_kwargs={"api_base": args.api_base, "record_terminal_session": False},
             agent_env=["OPENAI_API_KEY"] if "OPENAI_API_KEY" in os.environ else [],
             attempts=args.attempts,

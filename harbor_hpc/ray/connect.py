@@ -64,6 +64,13 @@ def cluster_problem(
         address, token_dir = cluster_address(ray_address, cluster_dir)
     except EnvironmentHostUnavailable as exc:
         return str(exc)
+    host, _, port = address.rpartition(":")
+    try:  # nothing there at all is known at once, without Ray's own retries and warnings
+        socket.create_connection((host, int(port)), timeout=min(timeout_s, 5)).close()
+    except ValueError:
+        return f"{address} is not a Ray cluster's address (HOST:PORT)"
+    except OSError as exc:
+        return f"nothing answers at the Ray cluster's address {address} ({exc.strerror or exc})"
     answer: dict[str, set[str] | str] = {}
 
     def ask() -> None:

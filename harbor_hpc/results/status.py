@@ -34,11 +34,13 @@ from harbor_hpc.results.classify import (
     short_message,
 )
 from harbor_hpc.results.record import (
+    CANCELLED,
     Marker,
     RunPaths,
     RunRecord,
     Submission,
     Unit,
+    cancelled_through,
     read_markers,
 )
 
@@ -174,6 +176,8 @@ def _status_of(
         return status(failed, lost, "never submitted")
     if fate.job is None:
         return status(failed, lost, "its submission failed before a job was queued")
+    if cancelled_through(run_dir) >= fate.submission.number:
+        return status(failed, lost, f"not started: {CANCELLED} stopped job {fate.job} first")
     log = RunPaths(run_dir).submitit / fate.job
     return status(
         failed,

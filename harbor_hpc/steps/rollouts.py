@@ -27,7 +27,8 @@ once per environment).
 A batch ends when every attempt has, or at its `deadline_s`: what is still running then is
 cancelled (its trials end `failed`, infrastructure, with a message that says so; `resubmit`
 runs them again) and the lines of what finished are returned. Leaving `stream_rollouts` early
-(a `break`) cancels what is left the same way. Each line is an attempt that counts, in
+(a `break`) cancels what is left the same way, and returns once those trials have ended (a few
+seconds), so that the run's status is final. Each line is an attempt that counts, in
 `format`; `trainable` says whether its reward is valid (Harbor's error policy).
 """
 
@@ -241,9 +242,22 @@ def follow_rollouts(
                 cancel_run(run_dir)
                 cancelled = True
     finally:
-        if not (finished or cancelled):
+        if not (finished or cancelled):  # the caller stopped early: the rest is not wanted
             cancel_run(run_dir)
+            _settle(run_dir)
 
+
+def _settle(run_dir: Path) -> None:
+    """Wait (at most SETTLE_S) until what a cancel stopped has ended, so that the run's
+    status is final when the caller goes on."""
+    until = time.monotonic() + SETTLE_S
+    for status in follow(run_dir, every_s=1, squeue_every_s=2):
+        if status.summary.finished or time.monotonic() > until:
+            return
+
+
+# How long leaving a batch early waits for the trials it cancelled to end.
+SETTLE_S = 60.0
 
 # The CLI's words in messages and hints, and what a caller of this module calls them.
 _COMMANDS = {

@@ -36,9 +36,11 @@ def test_a_ray_cluster_that_does_not_answer_is_raised_once_before_the_batch(
         environment_kwargs={"ray_address": address},
     )
     began = time.monotonic()
-    with pytest.raises(InputError, match=f"the Ray cluster at {address}") as raised:
+    with pytest.raises(
+        InputError, match=f"nothing answers at the Ray cluster's address {address}"
+    ) as raised:
         run_rollouts(request)
-    assert time.monotonic() - began < 40  # one bounded wait, not one per environment
+    assert time.monotonic() - began < 15  # at once, not once per environment after its wait
     assert raised.value.hint is not None and "environment_kwargs ray_address" in raised.value.hint
     assert not (tmp_path / "run" / "run.json").exists()
 

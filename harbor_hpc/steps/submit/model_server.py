@@ -17,6 +17,7 @@ requests out of the turns it counts.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -154,12 +155,10 @@ def check_model_server(
 
 
 def _reason(exc: requests.RequestException) -> str:
-    """The innermost cause, not urllib3's retry wrapper: 'Connection refused', a DNS miss."""
-    cause: BaseException | None = exc
-    while cause is not None and cause.__cause__ is not None:
-        cause = cause.__cause__
-    text = str(cause or exc)
-    return text.rpartition("] ")[2] if "] " in text else text
+    """The system's words, not urllib3's retry wrapper: 'Connection refused', a DNS miss."""
+    text = str(exc)
+    said = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
+    return said.group(1).strip() if said else text
 
 
 def _said(response: requests.Response) -> str:
