@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from harbor_hpc.api import Progress, RolloutRequest, resubmit_run, stream_rollouts
+from harbor_hpc.api import Progress, RolloutRequest, resubmit_run, run_status, stream_rollouts
 from tests.support.cli import cli_json
 from tests.support.processes import gone_within, processes_naming
 from tests.support.sample_tasks import make_task
@@ -75,3 +75,29 @@ def test_a_batch_streams_as_it_ends_and_its_deadline_cancels_the_rest(
     # The run is a run like any other: the cancelled attempt is the one to run again.
     again = resubmit_run(run_dir, dry_run=True)
     assert [unit.task for unit in again.units] == ["straggler"]
+
+
+def test_leaving_a_stream_early_cancels_the_rest_and_returns_once_it_ended(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "quick", image=str(debian_sif))
+    for name in ("slow-1", "slow-2"):
+        make_task(tasks, name, kind="slow", image=str(debian_sif), agent_timeout_sec=900)
+    run_dir = tmp_path / "run"
+    request = RolloutRequest(tasks=tasks, run_dir=run_dir, agent="oracle", concurrency=3)
+
+    async def first() -> dict[str, Any]:
+        async with contextlib.aclosing(stream_rollouts(request)) as lines:
+            async for line in lines:
+                return line
+        raise AssertionError("no line")
+
+    assert asyncio.run(first())["task"] == "quick"
+    # Back in the caller, the run's status is final: nothing left running.
+    statuses = {s.task: s for s in run_status(run_dir).attempts}
+    assert statuses["quick"].state == "done"
+    for name in ("slow-1", "slow-2"):
+        assert (statuses[name].state, statuses[name].failure) == ("failed", "infrastructure")
+        assert "a cancel of the run" in (statuses[name].message or "")
+    assert gone_within(15, lambda: [p.name() for p in processes_naming(str(run_dir))]) == []
