@@ -252,6 +252,33 @@ def _keep_joined(
         _end_descendants()
 
 
+def _start_head(
+    command: list[str], env: dict[str, str], ray_dir: Path
+) -> tuple[_RayStart, str, int]:
+    """Start the head's Ray: its process, the cluster's address and the attempts it took. As a
+    worker's, one whose `ray start` ended without an address within STARTUP_S (on a loaded node
+    Ray's own start-up wait runs out: "The current node timed out during startup") starts again,
+    up to START_ATTEMPTS times; after the last, `_NoAddress` with Ray's last words."""
+    attempt = 1
+    while True:
+        ray = _RayStart(command, env)
+        try:
+            return ray, _wait_for(ray_dir / "ray_current_cluster", ray.process), attempt
+        except _NoAddress as exc:
+            code = ray.wait()  # it ended: its last words are read
+            if attempt == START_ATTEMPTS or time.monotonic() - ray.began >= STARTUP_S:
+                said = ray.said or "no message; see the job log"
+                raise _NoAddress(f"{exc} ({attempt} attempt(s)): {said}") from None
+        attempt += 1
+        print(
+            f"harbor-hpc: the head's ray start failed (exit code {code}: "
+            f"{ray.said or 'no message'}); starting it again ({attempt} of {START_ATTEMPTS})",
+            file=sys.stderr,
+            flush=True,
+        )
+        _end_descendants()
+
+
 def stop_ray(ray: subprocess.Popen[bytes]) -> None:
     """End `ray start` when it still runs: asked first, killed after STOP_S (Ray drains for up
     to 30 s: longer than Slurm's usual KillWait)."""
@@ -302,15 +329,13 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     # Popen, not `core.proc.run` (bounded in time): Ray is this task's service, for the job's life.
     ray: _RayStart | None = None
+    no_head = False
     try:
         if head:
-            ray = _RayStart(
-                _ray_start(ray_dir, "--head", "--port=0", "--include-dashboard=false", *own),
-                env,
-            )
-            address = _wait_for(ray_dir / "ray_current_cluster", ray.process)
+            command = _ray_start(ray_dir, "--head", "--port=0", "--include-dashboard=false", *own)
+            ray, address, attempts = _start_head(command, env, ray_dir)
             atomic_write_text(address_file(cluster_dir, job_id), address + "\n")
-            code, attempts = ray.wait(), 1
+            code = ray.wait()
         else:
             address = join or _wait_for(address_file(cluster_dir, job_id), None)
             command = _ray_start(ray_dir, f"--address={address}", *own)
@@ -323,22 +348,18 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
                 f"({attempts} attempt(s)): {ray.said or 'no message; see the job log'}\n",
             )
         return code
-    except _NoAddress as exc:  # the head's ray start ended before it had an address
-        said = ""
-        if ray is not None:
-            ray.wait()  # it ended: this lets its last output be read
-            said = ray.said
-        atomic_write_text(
-            failure_file(cluster_dir, job_id, f"{node}-0"), f"node {node}: {exc}: {said}\n"
-        )
+    except _NoAddress as exc:  # the head's ray start never had an address, however often tried
+        atomic_write_text(failure_file(cluster_dir, job_id, f"{node}-0"), f"node {node}: {exc}\n")
+        no_head = True
         return 1
     finally:
-        ended = ray is not None and ray.process.poll() is not None  # by itself: not stopped
+        # Ended by itself (not stopped), or never there: the workers have no cluster to join.
+        ended = no_head or (ray is not None and ray.process.poll() is not None)
         if ray is not None:
             stop_ray(ray.process)
         _end_descendants()
         private.remove()  # overlays hold files of the user's subordinate uids
-        if head and ended:  # the workers have no cluster left: the job ends
+        if head and ended:  # the job ends
             with contextlib.suppress(HarborHpcError):
                 cluster.cancel(job_id)
 
