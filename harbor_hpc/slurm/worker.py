@@ -185,7 +185,9 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             # Harbor has just made the trial's folders world-writable, for Docker's sake.
             seal(paths.trial(marker.trial), record.group_readable)
             await trial.run()
-            if self.terminated_by is not None:
+            # A signal (scancel, shutdown) may have broken the trial's end whatever it recorded;
+            # a cancel of the run that let the trial end by itself broke nothing: it counts.
+            if self.terminated_by not in (None, CANCELLED):
                 marker.terminated_by = self.terminated_by
                 write_marker(run_dir, marker)
         except asyncio.CancelledError:

@@ -228,32 +228,48 @@ def follow_rollouts(
             if progress is not None and now != seen:
                 progress(now)
             seen = now
-            ended = [
-                s
-                for s in status.attempts
-                if s.state in (AttemptState.DONE, AttemptState.FAILED)
-                and (s.task, s.attempt) not in reported
-            ]
-            reported.update((s.task, s.attempt) for s in ended)
-            lines = rollout_lines(run_dir, ended, fmt=request.format)[0] if ended else []
             finished = status.summary.finished
-            yield [line for line in lines if line.get("counts", True)]
-            if deadline is not None and not cancelled and time.monotonic() > deadline:
+            yield _new_lines(run_dir, status, reported, request.format)
+            if deadline is not None and time.monotonic() > deadline:
                 cancel_run(run_dir)
                 cancelled = True
+                break
+        if cancelled:  # the lines of what the deadline stopped, once it has ended
+            yield _new_lines(run_dir, _settle(run_dir, progress), reported, request.format)
     finally:
         if not (finished or cancelled):  # the caller stopped early: the rest is not wanted
             cancel_run(run_dir)
-            _settle(run_dir)
+            _settle(run_dir, progress)
 
 
-def _settle(run_dir: Path) -> None:
-    """Wait (at most SETTLE_S) until what a cancel stopped has ended, so that the run's
-    status is final when the caller goes on."""
+def _new_lines(
+    run_dir: Path, status: RunStatus, reported: set[tuple[str, int]], fmt: ExportFormat | str
+) -> list[dict[str, Any]]:
+    """The lines (those that count) of the attempts that ended since those in `reported`,
+    which they join."""
+    ended = [
+        s
+        for s in status.attempts
+        if s.state in (AttemptState.DONE, AttemptState.FAILED)
+        and (s.task, s.attempt) not in reported
+    ]
+    reported.update((s.task, s.attempt) for s in ended)
+    lines = rollout_lines(run_dir, ended, fmt=fmt)[0] if ended else []
+    return [line for line in lines if line.get("counts", True)]
+
+
+def _settle(run_dir: Path, progress: ProgressCallback | None) -> RunStatus:
+    """The run's status once what a cancel stopped has ended (or after SETTLE_S), told to
+    `progress` as well: final when the caller goes on. Looked at every second (squeue every
+    two): the trials a cancel stops end within seconds of it."""
     until = time.monotonic() + SETTLE_S
-    for status in follow(run_dir, every_s=1, squeue_every_s=2):
-        if status.summary.finished or time.monotonic() > until:
-            return
+    statuses = follow(run_dir, every_s=1, squeue_every_s=2)  # ends with a finished status
+    status = next(statuses)
+    while not status.summary.finished and time.monotonic() <= until:
+        status = next(statuses)
+    if progress is not None:
+        progress(Progress.of(status))
+    return status
 
 
 # How long leaving a batch early waits for the trials it cancelled to end.
