@@ -12,6 +12,7 @@ failures by these names too, so keep them stable.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,9 +64,11 @@ HARBOR_EQUIVALENT: dict[str, str] = {
 }
 
 
+@functools.cache
 def error_policy_overrides() -> dict[str, ErrorPolicyOverride]:
     """Our names for Harbor's error policy table, as `TrialConfig.override_error_policy` (and a
-    job config's `override_error_policy`) takes them: each with its equivalent's policy."""
+    job config's `override_error_policy`) takes them: each with its equivalent's policy. Made
+    once (classifying a run asks for every failed trial); not to be changed by callers."""
     from harbor.models.trial.error_policy import ErrorPolicyOverride, policy_for
 
     overrides = {}

@@ -121,11 +121,12 @@ def attempt_statuses(
     run's jobs (array elements, local processes) that are still queued or running."""
     fates = _job_fates(record, alive)
     newest = latest_markers(read_markers(run_dir))
+    cancelled = cancelled_through(run_dir)  # read once: every never-started attempt asks
     statuses = []
     for unit in record.units():
         marker = newest.get(unit)
         fate = fates.get(unit)
-        statuses.append(_status_of(run_dir, record, unit, marker, fate))
+        statuses.append(_status_of(run_dir, record, unit, marker, fate, cancelled))
     return statuses
 
 
@@ -135,7 +136,9 @@ def _status_of(
     unit: Unit,
     marker: Marker | None,
     fate: _JobFate | None,
+    cancelled: int,
 ) -> AttemptStatus:
+    """`cancelled`: the run's last cancelled submission (`cancelled_through`)."""
     # A resubmission newer than the marker supersedes that trial: the unit runs again.
     if marker is not None and fate is not None and fate.submission.number > marker.submission:
         marker = None
@@ -176,7 +179,7 @@ def _status_of(
         return status(failed, lost, "never submitted")
     if fate.job is None:
         return status(failed, lost, "its submission failed before a job was queued")
-    if cancelled_through(run_dir) >= fate.submission.number:
+    if cancelled >= fate.submission.number:
         return status(failed, lost, f"not started: {CANCELLED} stopped job {fate.job} first")
     log = RunPaths(run_dir).submitit / fate.job
     return status(

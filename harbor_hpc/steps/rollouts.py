@@ -192,7 +192,7 @@ def follow_rollouts(
 ) -> Generator[list[dict[str, Any]]]:
     """Submit the batch, then at every look at the run the lines of the attempts that ended
     since the last (often none). Closing the generator before the end cancels the rest."""
-    backend = choice(Backend, request.executor, "executor")
+    backend = Backend(request.executor)  # made one in __post_init__
     with python_words():
         options = configured_options(
             None,  # harbor-hpc.toml here, as the CLI reads it
