@@ -49,12 +49,17 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from bench_environment import add_image_arguments, make_environment, server_sif
+from bench_environment import MB, add_image_arguments, make_environment, server_sif, tree_root
 from bench_fleet import SETTLE_SEC, cpu_seconds, ready, sizes, timed_exec, trees
 from harbor.environments.base import BaseEnvironment
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.watchdog import kill_processes, tree_processes, wait_gone
+from harbor_hpc.apptainer.watchdog import (
+    kill_processes,
+    tree_processes,
+    tree_pss_bytes,
+    wait_gone,
+)
 from harbor_hpc.ray.connect import connect
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.ray.host import EnvironmentHost
@@ -76,6 +81,7 @@ class Fleet:
     driver_cpu: float  # % of a core per environment
     ray_nodes: int | None  # the Ray nodes the fleet ran on (None: local)
     left: int  # processes still running after stop
+    pss: float  # MB per environment: its container's tree (and its share of its node's host)
 
 
 def cli(*arguments: str) -> str:
@@ -140,6 +146,20 @@ def host_processes(host: EnvironmentHost) -> list[tuple[int, float]]:
     return found
 
 
+def host_pss(host: EnvironmentHost) -> tuple[int, int]:
+    """(PSS bytes of the host's containers and of the host's own process, environments)."""
+    import os  # in the host's process: pickled by value, as the bench's functions are
+
+    from harbor_hpc.apptainer.watchdog import pss_bytes, tree_pss_bytes
+
+    containers = sum(
+        tree_pss_bytes(environment.process_pid)
+        for environment in host._environments.values()
+        if environment.process_pid is not None
+    )
+    return containers + pss_bytes(os.getpid()), len(host._environments)
+
+
 def host_leftovers(host: EnvironmentHost, processes: list[tuple[int, float]]) -> int:
     """How many of `processes` still run STOP_GRACE_SEC after their stop (then killed)."""
     running = []
@@ -202,6 +222,16 @@ async def measure(
             for _ in range(rounds if remote else 0):
                 calls += await asyncio.gather(*(timed_call(env) for env in remote))
             calls_alone = [await timed_call(env) for env in remote[:16] for _ in range(rounds)]
+            if remote:
+                hosts_pss = await on_hosts(
+                    {env.node_id: env._host for env in remote if env.node_id and env._host},
+                    host_pss,
+                )
+                pss = sum(b for b, _ in hosts_pss.values()) / max(
+                    1, sum(n for _, n in hosts_pss.values())
+                )
+            else:
+                pss = sum(tree_pss_bytes(tree_root(env)) for env in environments) / size
         finally:
             nodes = {env.node_id for env in remote if env.node_id is not None}
             hosts = {
@@ -228,6 +258,7 @@ async def measure(
         driver_cpu=cpu,
         ray_nodes=len(nodes) if remote else None,
         left=len(left) + sum(remote_left.values()),
+        pss=pss / MB,
     )
 
 
@@ -255,6 +286,7 @@ def print_fleet(size: int, local: Fleet, ray: Fleet | str, ray_nodes: int) -> No
             "exec p99 ms", local.exec_p99, ray.exec_p99,
             f"{ray.exec_p99 - local.exec_p99:+.2f} ms", "", None,
         ),
+        ("PSS MB/env", local.pss, ray.pss, f"{ray.pss / local.pss:.2f}x", "", None),
         (
             "driver idle %/env", local.driver_cpu, ray.driver_cpu, "",
             f"<={DRIVER_CPU_PERCENT}", ray.driver_cpu <= DRIVER_CPU_PERCENT,
@@ -282,7 +314,8 @@ def print_fleet(size: int, local: Fleet, ray: Fleet | str, ray_nodes: int) -> No
 def summary(fleet: Fleet) -> str:
     return (
         f"ready {fleet.ready:.2f} s, exec p50 {fleet.exec_p50:.2f} ms, "
-        f"p99 {fleet.exec_p99:.2f} ms, driver idle {fleet.driver_cpu:.4f}%/env"
+        f"p99 {fleet.exec_p99:.2f} ms, driver idle {fleet.driver_cpu:.4f}%/env, "
+        f"PSS {fleet.pss:.1f} MB/env"
     )
 
 
@@ -330,7 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ray-nodes-per-node", type=int, default=2)
     parser.add_argument("--cpus-per-node", type=int, default=1)
     parser.add_argument("--ray-minutes", type=int, default=60, help="the cluster's time limit")
-    parser.add_argument("--sif", type=Path, default=None, help="default: bench_fleet's image")
     add_image_arguments(parser)
     args = parser.parse_args(argv)
     sif = args.sif or server_sif(args)

@@ -101,8 +101,17 @@ def test_enum_arguments_take_their_string_values_or_are_refused(tmp_path: Path) 
         request(tmp_path, executor="ray-cluster")
     with pytest.raises(InputError, match="deadline_s must be above 0"):
         request(tmp_path, deadline_s=0)
-    with pytest.raises(InputError, match="--format 'Full' is not one of"):
+    with pytest.raises(InputError, match=r"^format 'Full' is not one of"):
         harbor_hpc.api.rollout_lines(tmp_path / "run", [], fmt="Full")
+
+
+def test_kwargs_take_paths_and_refuse_what_a_run_cannot_record(tmp_path: Path) -> None:
+    """A trainer passes a Path where the CLI passes text; an object JSON cannot hold is
+    named by its key when the request is made, not a TypeError when the run is written."""
+    made = request(tmp_path, environment_kwargs={"ray_cluster_dir": tmp_path / "cluster"})
+    assert made.environment_kwargs == {"ray_cluster_dir": str(tmp_path / "cluster")}
+    with pytest.raises(InputError, match=r"agent_kwargs\['client'\] is of type object"):
+        request(tmp_path, agent_kwargs={"client": object()})
 
 
 def test_errors_raised_to_python_name_fields_and_functions_not_flags() -> None:

@@ -62,6 +62,7 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
+from harbor_hpc.apptainer.limits import AS_YOU, ONE_ID, ROOT_MAPPED, node_network, write_limits
 from harbor_hpc.apptainer.network import (
     ADMIN_HINT,
     RESOLV_CONF,
@@ -279,6 +280,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._sidecars: dict[str, Sidecar] = {}
         self._watchdog: MemoryWatchdog | None = None
         self._own_network = False
+        self._network_problem: str | None = None  # why it shares the node's network
         self._network: OwnNetwork | None = None
         self._egress: Egress | None = None
         self._gpus: list[str] = []
@@ -418,6 +420,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             if self._roots is not None:
                 await self._lease_root()
             await self._launch(flags)
+            self._record_limits()
             # As Docker's environment leaves them: Harbor's log folders (bound from the trial's
             # private folder) writable by whichever user the task's [agent] and [verifier] run
             # as, not only by the container's root.
@@ -429,6 +432,25 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             await self.stop(delete=True)
             raise
         await self._upload_environment_dir_after_start()
+
+    def _record_limits(self) -> None:
+        """Say in the trial's folder (and its log) where this container is weaker than
+        Docker's: one id without a subuid range, the node's network, not root."""
+        assert self._main is not None
+        limits = []
+        if self._main.root_user is None:
+            limits.append(AS_YOU)
+        elif ROOT_MAPPED in self._main.stderr_text():
+            limits.append(ONE_ID)
+        if self._network_problem is not None:
+            limits.append(node_network(self._network_problem))
+        for limit in limits:
+            self.logger.warning("task %s: %s", self.environment_name, limit)
+        if self._network_problem is not None:
+            self.logger.warning(
+                "task %s: for a network of its own, %s", self.environment_name, ADMIN_HINT
+            )
+        write_limits(self.trial_paths.trial_dir, limits)
 
     async def _lease_root(self) -> None:
         """Run the task container from its image unpacked on this node, where it can be."""
@@ -501,14 +523,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         """No network, a network of the container's own (slirp4netns), or else the node's."""
         problem = None if self._no_network else own_network_problem()
         self._own_network = not self._no_network and problem is None
-        if problem is not None:
-            self.logger.warning(
-                "task %s: the container shares the node's network, unlike Docker's own "
-                "(ports and the node's loopback services are shared): %s; %s",
-                self.environment_name,
-                problem,
-                ADMIN_HINT,
-            )
+        self._network_problem = problem
 
     def _volume_binds(self, volumes: list[Volume]) -> list[str]:
         """`-B` options for compose volumes: host paths as they are, named volumes as folders

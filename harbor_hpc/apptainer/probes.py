@@ -26,6 +26,7 @@ from pathlib import Path
 
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
+from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.network import ADMIN_HINT, egress_problem, own_network_problem
 from harbor_hpc.apptainer.roots import UNPACK_AS_ROOT
 from harbor_hpc.apptainer.runtime import (
@@ -177,17 +178,23 @@ def _is_setuid_root(path: Path) -> bool:
     return mode.st_uid == 0 and bool(mode.st_mode & 0o4000)
 
 
-def subid_finding() -> Finding:
-    """`--fakeroot` maps the user onto a range from /etc/subuid and /etc/subgid."""
+def missing_subid_ranges() -> list[str]:
+    """Those of /etc/subuid and /etc/subgid that hold no range for this user."""
     user, uid = current_user(), str(os.getuid())
-    absent = [
+    return [
         path for path in ("/etc/subuid", "/etc/subgid") if not _has_subid_range(path, user, uid)
     ]
+
+
+def subid_finding() -> Finding:
+    """`--fakeroot` maps the user onto a range from /etc/subuid and /etc/subgid."""
+    user = current_user()
+    absent = missing_subid_ranges()
     if absent:
         return Finding(
             "fakeroot ids",
             Status.WARN,
-            f"no line for {user} in {' and '.join(absent)}: --fakeroot is limited",
+            f"no line for {user} in {' and '.join(absent)}: tasks run with {ONE_ID}",
             f"an admin adds `{user}:100000:65536` (a free range) to /etc/subuid and /etc/subgid",
         )
     if os.getuid() != 0 and not shutil.which("newuidmap"):

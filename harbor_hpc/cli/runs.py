@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -405,6 +406,9 @@ def _show_status(found: RunStatus, *, verbose: bool) -> None:
                 s.message, no_wrap=not verbose, overflow="fold" if verbose else "ellipsis"
             )
             stdout.print(Padding(message, (0, 0, 0, 2), expand=False), soft_wrap=False)
+    limited = Counter(limit for s in found.attempts for limit in s.limits)
+    for limit, count in limited.items():  # the node's, not the task's: once per kind
+        stdout.print(Text(f"{count} attempt(s) ran weaker than in Docker: {limit}", style="yellow"))
     stdout.print(_summary_line(found.summary), soft_wrap=False, highlight=False)
 
 

@@ -1,6 +1,6 @@
 """A run's rollouts as JSON lines, in our full schema or in the shape a trainer reads.
 
-`full` (schema `harbor-hpc/rollout/v2`, built in `results/rollout.py`): one line per trial that
+`full` (schema `harbor-hpc/rollout/v3`, built in `results/rollout.py`): one line per trial that
 ended, reruns included, plus one per attempt that failed without a result (an image missing, a
 job that died); `counts` marks the one line per attempt that `status` reports (a rerun after a
 cancelled job or `resubmit --failed` supersedes the trials before it).
@@ -277,7 +277,7 @@ def rollout_lines(
     """The rollouts of the attempts in `statuses` (all the run's: what `export` writes) in
     `fmt`, the lines they count marked, and how many rollouts a trainer format left out, by
     reason. `fmt` is an ExportFormat or its value; anything else is refused."""
-    fmt = choice(ExportFormat, fmt, "--format")
+    fmt = choice(ExportFormat, fmt, "format")
     run_dir = run_dir.resolve()
     record = load_run(run_dir)
     rollouts = collect_rollouts(run_dir, record, statuses)
@@ -306,7 +306,7 @@ def export_run(
     """Write the run's rollouts to `out` (JSONL, atomically) in `fmt`, marking the lines
     `statuses` count. The file is as private as the run: its owner's (0600), or with the run's
     `--group-readable` also readable by the group (0640)."""
-    fmt = choice(ExportFormat, fmt, "--format")
+    fmt = choice(ExportFormat, fmt, "format")
     lines, left_out = rollout_lines(run_dir, statuses, fmt=fmt)
     if not dry_run:
         text = "".join(json.dumps(line, default=str) + "\n" for line in lines)

@@ -1,4 +1,4 @@
-"""One trial as a rollout record (schema `harbor-hpc/rollout/v2`, `schemas/rollout.schema.json`).
+"""One trial as a rollout record (schema `harbor-hpc/rollout/v3`, `schemas/rollout.schema.json`).
 
 Harbor keeps the tokens of an agent's conversation in `agent_result.rollout_details`
 (`harbor.models.agent.rollout_detail.RolloutDetail`): per model call (a turn) the whole prompt's
@@ -35,12 +35,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.apptainer.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
 from harbor_hpc.results.classify import FailureClass, Outcome, outcome_of_result
 from harbor_hpc.results.record import RunRecord
 
-SCHEMA = "harbor-hpc/rollout/v2"
+SCHEMA = "harbor-hpc/rollout/v3"
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.schema.json"
 # Where Harbor's agents write an ATIF trajectory, relative to the trial (or step) folder.
 TRAJECTORY = Path("agent") / "trajectory.json"
@@ -416,6 +417,7 @@ def rollout(
         "rewards": outcome.rewards,
         "failure": outcome.failure,
         "message": outcome.message,
+        "environment_limits": read_limits(trial_dir) if trial_dir is not None else [],
         "instruction": None if steps else _instruction(task_dir / "instruction.md"),
         "steps": [_step_record(task_dir, trial_dir, s) for s in steps]
         if steps and trial_dir is not None

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.apptainer.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
 from harbor_hpc.results.classify import (
@@ -54,6 +55,8 @@ class AttemptStatus:
     reward: float | None
     failure: FailureClass | None
     message: str | None
+    # Where the trial's container was weaker than Docker's (apptainer/limits.py).
+    limits: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -160,6 +163,7 @@ def _status_of(
                 outcome.reward,
                 outcome.failure,
                 outcome.message,
+                read_limits(RunPaths(run_dir).trial(marker.trial)),
             )
     if fate is not None and fate.alive:
         return status(AttemptState.RUNNING if marker is not None else AttemptState.PENDING)

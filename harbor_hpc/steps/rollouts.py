@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import re
 import threading
 import time
@@ -114,8 +116,28 @@ class RolloutRequest:
         self.run_dir = Path(self.run_dir)
         self.format = choice(ExportFormat, self.format, "format")
         self.executor = choice(Backend, self.executor, "executor")
+        self.agent_kwargs = recordable(self.agent_kwargs, "agent_kwargs")
+        self.environment_kwargs = recordable(self.environment_kwargs, "environment_kwargs")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise InputError(f"deadline_s must be above 0, not {self.deadline_s}")
+
+
+def recordable(kwargs: dict[str, Any], name: str) -> dict[str, Any]:
+    """`kwargs` as the run records them (JSON): paths become their text; a value JSON cannot
+    hold is refused by its key."""
+    taken = {
+        key: os.fspath(value) if isinstance(value, os.PathLike) else value
+        for key, value in kwargs.items()
+    }
+    for key, value in taken.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise InputError(
+                f"{name}[{key!r}] is of type {type(value).__name__}, which a run cannot record",
+                hint="give a str, number, bool, None, or a list or dict of those",
+            ) from None
+    return taken
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
 from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
+from harbor_hpc.apptainer.limits import AS_YOU, ONE_ID, read_limits
+from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.apptainer.store import ensure_sif
@@ -605,7 +607,8 @@ def test_other_user_cannot_reach_the_channel(debian_sif: Path, tmp_path: Path) -
 @pytest.mark.parametrize("fakeroot", [False, True])
 def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot: bool) -> None:
     """Whoever runs the tests (CI: an ordinary user) is root inside by default, and with
-    fakeroot=false stays themselves; uploads work either way."""
+    fakeroot=false stays themselves, which the trial's folder says; uploads work either way.
+    (Without a subuid range, root alone: the no-subuid stage of CI runs this test too.)"""
     payload = tmp_path / "payload.bin"
     payload.write_bytes(os.urandom(5 << 20))
 
@@ -623,6 +626,9 @@ def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot
 
     who, size, server = asyncio.run(main())
     assert who == f"{0 if fakeroot else os.getuid()}\nwrote\n"
+    limits = read_limits(tmp_path / "env" / "trial")
+    assert (AS_YOU in limits) == (not fakeroot)
+    assert (ONE_ID in limits) == (fakeroot and bool(missing_subid_ranges()))
     assert int(size) == payload.stat().st_size
     assert server == f"{IMAGE_VIEW}/usr/bin/python3.11\nread-only\n"
 

@@ -161,7 +161,7 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
     run = Run(tmp_path, ["a"])
     run.trial("t1", "a", solved(tmp_path, EXTENDING), EXTENDING)
     (line,) = run.export()
-    assert line["schema"] == "harbor-hpc/rollout/v2"
+    assert line["schema"] == "harbor-hpc/rollout/v3"
     assert (line["task"], line["attempt"], line["trial"], line["counts"]) == ("a", 0, "t1", True)
     assert line["trial_dir"] == str((RunPaths(run.dir).trial("t1")).resolve())
     assert (line["trainable"], line["partial"], line["reward"]) == (True, False, 1.0)

@@ -1,0 +1,45 @@
+"""Where a trial's container is weaker than Docker's, said in the trial's folder.
+
+The environment gives a task what Docker gives it wherever the node allows. Where the node
+allows less, the trial still runs (its reward is real), and its folder holds LIMITS_FILE: one
+sentence per way its container fell short of Docker's, which `status` shows and the exported
+line carries (`environment_limits`), so that a reward that might differ from Docker's is named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.files import atomic_write_json, read_json
+
+LIMITS_FILE = "environment-limits.json"
+
+# Apptainer's words on stderr when --fakeroot finds no /etc/subuid range for the user.
+ROOT_MAPPED = "root-mapped namespace"
+ONE_ID = (
+    "one id in the container (without an /etc/subuid range Apptainer maps root alone and fakes "
+    "the rest): files that the task's other users create belong to root"
+)
+AS_YOU = "runs as you, not as root (fakeroot=false): tasks that need root fail"
+
+
+def node_network(problem: str) -> str:
+    return (
+        f"shares the node's network (its ports, its loopback services), not one of its own: "
+        f"{problem}"
+    )
+
+
+def write_limits(trial_dir: Path, limits: list[str]) -> None:
+    if limits:
+        atomic_write_json(trial_dir / LIMITS_FILE, limits)
+
+
+def read_limits(trial_dir: Path) -> list[str]:
+    """What the trial's environment recorded ([] where it ran as in Docker, or recorded none)."""
+    try:
+        found = read_json(trial_dir / LIMITS_FILE)
+    except HarborHpcError:
+        return []
+    return [str(limit) for limit in found] if isinstance(found, list) else []
