@@ -18,7 +18,7 @@ import shlex
 import shutil
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -328,22 +328,33 @@ class Container:
 
     # -- files ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _transfer_dir(self) -> Iterator[tuple[Path, str]]:
-        """A fresh folder under /staging/xfer: (host path, container path), removed afterwards."""
+    @contextlib.asynccontextmanager
+    async def _transfer_dir(
+        self, *, filled_inside: bool = False
+    ) -> AsyncIterator[tuple[Path, str]]:
+        """A fresh folder under /staging/xfer: (host path, container path), removed afterwards.
+
+        What the container put there (`filled_inside`) is removed by the container: Apptainer's
+        fakeroot command (users without a subuid range) remembers the modes it set by inode,
+        and an inode the host freed behind its back comes back as a file that it calls a
+        folder (a verifier's `> test-stdout.txt` then fails with "Is a directory")."""
         if self.channel is None:
             raise RuntimeError(f"{self.name}: the container is not running")
         name = uuid.uuid4().hex
         host = self.staging / "xfer" / name
         host.mkdir(mode=0o777)
         host.chmod(0o777)  # the container's user may differ from ours (fakeroot, su)
+        inside = f"{STAGING}/xfer/{name}"
         try:
-            yield host, f"{STAGING}/xfer/{name}"
+            yield host, inside
         finally:
+            if filled_inside and self.channel is not None:
+                with contextlib.suppress(RuntimeError, ContainerDied):
+                    await self.run(self.script(f"rm -rf -- {inside}", None, None, self.root_user))
             shutil.rmtree(host, ignore_errors=True)
 
     async def upload_file(self, source: Path, target_path: str) -> None:
-        with self._transfer_dir() as (host, inside):
+        async with self._transfer_dir() as (host, inside):
             # With its mode, as `docker cp` keeps it (the user's umask must not reach it).
             await asyncio.to_thread(shutil.copy, source, host / "file")
             target = shlex.quote(target_path)
@@ -353,7 +364,7 @@ class Container:
             )
 
     async def upload_dir(self, source: Path, target_dir: str) -> None:
-        with self._transfer_dir() as (host, inside):
+        async with self._transfer_dir() as (host, inside):
             await asyncio.to_thread(shutil.copytree, source, host / "dir", symlinks=True)
             target = shlex.quote(target_dir)
             await self.checked(
@@ -362,7 +373,7 @@ class Container:
             )
 
     async def download_file(self, source_path: str, target: Path) -> None:
-        with self._transfer_dir() as (host, inside):
+        async with self._transfer_dir(filled_inside=True) as (host, inside):
             await self.checked(
                 f"cp -- {shlex.quote(source_path)} {inside}/file", f"download of {source_path}"
             )
@@ -370,7 +381,7 @@ class Container:
             await asyncio.to_thread(_copy_over, str(host / "file"), str(target))
 
     async def download_dir(self, source_dir: str, target: Path) -> None:
-        with self._transfer_dir() as (host, inside):
+        async with self._transfer_dir(filled_inside=True) as (host, inside):
             await self.checked(
                 f"mkdir -p {inside}/dir && cp -R -- {shlex.quote(source_dir)}/. {inside}/dir/",
                 f"download of {source_dir}",
