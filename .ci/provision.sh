@@ -33,6 +33,7 @@ WHEELS=$CACHE/wheels
 WHEEL_PKGS=(uvicorn fastapi)
 TEST_USER=hpcuser   # the ordinary user the tests run as
 OTHER_USER=hpcuser2 # "another user" for the tests, reached from TEST_USER with sudo
+NOSUB_USER=hpcnosub # an ordinary user without /etc/subuid and /etc/subgid lines (CI's stage)
 LAB_GROUP=hpclab    # a lab's group, both users in it: for the .sif store a lab shares
 SUDOERS_FILE=/etc/sudoers.d/harbor-hpc-ci
 AUTH_USER=hpcuser   # the password registry's login (not a Unix user)
@@ -777,21 +778,33 @@ part_users() {
       notes+=("user $u created")
     fi
   done
-  # Subordinate ids for --fakeroot (useradd may have given the users theirs already).
+  # Subordinate ids for --fakeroot (useradd may have given the users theirs already); none for
+  # NOSUB_USER, as on clusters whose admins never added them (Apptainer then maps root alone).
+  if ! id "$NOSUB_USER" >/dev/null 2>&1; then
+    useradd -m -s /bin/bash "$NOSUB_USER"
+    notes+=("user $NOSUB_USER created")
+  fi
   for f in /etc/subuid /etc/subgid; do
     touch "$f"
     for u in root "$OTHER_USER" "$TEST_USER"; do
       if add_subid_range "$f" "$u"; then notes+=("$u range in $f"); fi
     done
+    if grep -q "^$NOSUB_USER:" "$f"; then
+      sed -i "/^$NOSUB_USER:/d" "$f"
+      notes+=("$NOSUB_USER range removed from $f")
+    fi
     overlaps=$(subid_overlaps "$f" root "$OTHER_USER" "$TEST_USER")
     [ -z "$overlaps" ] || die "overlapping ranges in $f: $overlaps"
   done
-  # The tester uses the Docker Engine (and apptainer build docker-daemon://...) as a group member.
+  # The testers use the Docker Engine (and apptainer build docker-daemon://...) as group members
+  # (to make the test images; what they test runs without it).
   getent group docker >/dev/null || die "there is no group docker (the docker.io package makes it)"
-  if [[ " $(id -nG "$TEST_USER") " != *" docker "* ]]; then
-    usermod -aG docker "$TEST_USER"
-    notes+=("$TEST_USER added to group docker")
-  fi
+  for u in "$TEST_USER" "$NOSUB_USER"; do
+    if [[ " $(id -nG "$u") " != *" docker "* ]]; then
+      usermod -aG docker "$u"
+      notes+=("$u added to group docker")
+    fi
+  done
   # Both users are members of a lab group, as a lab sharing one .sif store would be.
   if ! getent group "$LAB_GROUP" >/dev/null; then
     groupadd "$LAB_GROUP"
@@ -944,6 +957,7 @@ export HARBOR_HPC_TEST_NOPY_IMAGE=$NOPY_IMAGE
 export HARBOR_HPC_TEST_WHEELS=$WHEELS
 export HARBOR_HPC_TEST_USER=$TEST_USER
 export HARBOR_HPC_TEST_OTHER_USER=$OTHER_USER
+export HARBOR_HPC_TEST_NOSUB_USER=$NOSUB_USER
 export HARBOR_HPC_TEST_SLURM_PARTITION=debug
 export HARBOR_HPC_TEST_EGRESS_HOST=$EGRESS_HOST
 export HARBOR_HPC_TEST_MULTI_SLURM_CONF=$MULTI_CONF
