@@ -27,7 +27,12 @@ from harbor_hpc.results.rollout import SCHEMA_FILE
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import FETCH_ANSWER, answer_service, make_task
 from tests.support.scripted_llm import Exchange, ScriptedLLM
-from tests.support.trainers import nemo_rl_message_log, skyrl_generator_output
+from tests.support.trainers import (
+    nemo_rl_message_log,
+    prime_rl_training_samples,
+    skyrl_generator_output,
+    slime_samples,
+)
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
 
@@ -180,6 +185,13 @@ def test_terminus2_gets_reward_one_by_harbor_trial_and_through_submit_on_slurm(
     assert (rl["token_ids"], rl["mask_ids"]) == (line["token_ids"], line["mask_ids"])
     skyrl = skyrl_generator_output([rl])
     assert skyrl["prompt_token_ids"] == [sent[0].prompt_token_ids] and skyrl["rewards"] == [1.0]
+    (prime,) = prime_rl_training_samples([rl])
+    assert prime["token_ids"] == line["token_ids"] and prime["advantages"] == [0.0] * len(
+        line["token_ids"]
+    )  # a group of one: no advantage
+    (slime,) = slime_samples([rl])
+    assert slime["tokens"] == line["token_ids"] and slime["status"] == "completed"
+    assert slime["tokens"][-len(sent[-1].completion_token_ids) :] == sent[-1].completion_token_ids
 
     (gym,) = export(run_dir, "nemo-gym", tmp_path)
     log = nemo_rl_message_log(gym)

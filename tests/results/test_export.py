@@ -34,7 +34,12 @@ from harbor_hpc.results.record import (
 from harbor_hpc.results.rollout import SCHEMA_FILE
 from harbor_hpc.results.status import attempt_statuses
 from tests.results.test_classify import harbor_result
-from tests.support.trainers import nemo_rl_message_log, skyrl_generator_output
+from tests.support.trainers import (
+    nemo_rl_message_log,
+    prime_rl_training_samples,
+    skyrl_generator_output,
+    slime_samples,
+)
 
 Turns = list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) per model call
 
@@ -197,6 +202,17 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
     assert skyrl["prompt_token_ids"] == [P0]
     assert skyrl["response_ids"] == [line["token_ids"][3:]]
     assert skyrl["loss_masks"] == [line["mask_ids"][3:]] and skyrl["rewards"] == [1.0]
+    (prime,) = prime_rl_training_samples([rl])
+    assert prime["token_ids"] == line["token_ids"] and prime["env_name"] == rl["task"]
+    assert prime["mask"] == [m == 1 for m in line["mask_ids"]]
+    assert [lp for lp, m in zip(prime["logprobs"], prime["mask"], strict=True) if m] == [
+        lp for c in (C0, C1, C2) for lp in logprobs(c)
+    ]
+    (slime,) = slime_samples([rl])
+    assert slime["tokens"] == line["token_ids"] and slime["response_length"] == len(
+        line["token_ids"]
+    ) - len(P0)
+    assert slime["loss_mask"] == line["mask_ids"][3:] and slime["reward"] == 1.0
 
     (gym,) = run.export(ExportFormat.NEMO_GYM)
     log = nemo_rl_message_log(gym)
