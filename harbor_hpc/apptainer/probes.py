@@ -35,6 +35,9 @@ from harbor_hpc.apptainer.runtime import (
     FAKEROOT_HINT,
     PROBE_TIMEOUT_S,
     SQUASHFS_COMPRESSION,
+    TESTED,
+    ZSTD_MINIMUM,
+    apptainer_version,
     build_command,
     find_apptainer,
     first_that_runs,
@@ -93,6 +96,11 @@ def findings(cache_dir: Path) -> list[Finding]:
     return [*found, *run_findings(binary, cache_dir)]
 
 
+_VERSION_FIX = (
+    "load a newer Apptainer (`module load apptainer`), or name one with HARBOR_HPC_APPTAINER"
+)
+
+
 def install_findings() -> list[Finding]:
     """The binary (on PATH or HARBOR_HPC_APPTAINER), and whether it starts at all."""
     try:
@@ -105,10 +113,22 @@ def install_findings() -> list[Finding]:
             Finding("binary", Status.OK, binary),
             Finding("version", Status.MISSING, version.why(), _BROKEN_FIX),
         ]
-    return [
-        Finding("binary", Status.OK, binary),
-        Finding("version", Status.OK, version.stdout.strip()),
-    ]
+    said = version.stdout.strip()
+    parsed = apptainer_version(binary)
+    problem = parsed.problem() if parsed is not None else None
+    if problem is not None:
+        found = Finding("version", Status.MISSING, problem, _VERSION_FIX)
+    elif parsed is not None and parsed.release < ZSTD_MINIMUM:
+        found = Finding(
+            "version",
+            Status.WARN,
+            f"{said}: images are converted with gzip (zstd, which starts containers about twice "
+            "as fast, needs Apptainer 1.4)",
+            _VERSION_FIX,
+        )
+    else:
+        found = Finding("version", Status.OK, f"{said} (tested: {TESTED})")
+    return [Finding("binary", Status.OK, binary), found]
 
 
 def install_problem() -> str | None:

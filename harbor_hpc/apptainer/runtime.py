@@ -10,14 +10,17 @@ probe per image instead of one per candidate.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.config import load_config
+from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.proc import Ran, run
 
 BINARIES = ("apptainer", "singularity")
@@ -28,6 +31,55 @@ FUSE_HELPERS = frozenset({"squashfuse", "squashfuse_ll", "fuse-overlayfs", "fuse
 # A probe is one `exec` of a shell; a minute means a hung FUSE mount or a wedged starter, not
 # a slow image.
 PROBE_TIMEOUT_S = 60.0
+
+# The oldest Apptainer with what an unprivileged user needs of it, from its changelog (1.1.0):
+# SIF images mounted with squashfuse, overlays (fuse-overlayfs) and --writable-tmpfs without
+# setuid, --fakeroot without an /etc/subuid range (a root-mapped namespace and the fakeroot
+# command), and image binds (`-B x.sif:/v:id=N,image-src=/`) through the same driver.
+MINIMUM = (1, 1, 0)
+# `apptainer build --mksquashfs-args` and SIFs whose squashfs is zstd (1.4.0: "Add new build
+# option --mksquashfs-args"; older ones call such an image corrupted).
+ZSTD_MINIMUM = (1, 4, 0)
+TESTED = "Apptainer 1.4.5"
+_VERSION = re.compile(r"^(apptainer|singularity-ce|singularity) version v?(\d+)\.(\d+)\.(\d+)")
+
+
+@dataclass(frozen=True)
+class Version:
+    """What `apptainer --version` says: the project (apptainer, singularity-ce, singularity)
+    and its release."""
+
+    project: str
+    release: tuple[int, int, int]
+
+    def __str__(self) -> str:
+        return f"{self.project} {'.'.join(map(str, self.release))}"
+
+    def problem(self) -> str | None:
+        """Why harbor-hpc cannot run on it, or None."""
+        if self.project != "apptainer":
+            return (
+                f"{self}: harbor-hpc runs on Apptainer {'.'.join(map(str, MINIMUM))} or newer "
+                "(SingularityCE cannot, without setuid, bind a SIF's partition, read zstd "
+                "images or run --fakeroot without an /etc/subuid range)"
+            )
+        if self.release < MINIMUM:
+            return (
+                f"{self}: harbor-hpc needs Apptainer {'.'.join(map(str, MINIMUM))} or newer "
+                "(SIF images, overlays and --fakeroot without setuid)"
+            )
+        return None
+
+
+@cache
+def apptainer_version(binary: str) -> Version | None:
+    """The version `binary --version` reports; None when it says something else."""
+    said = run([binary, "--version"], timeout=PROBE_TIMEOUT_S)
+    found = _VERSION.match(said.stdout.strip()) if said.ok else None
+    if found is None:
+        return None
+    major, minor, patch = (int(part) for part in found.groups()[1:])
+    return Version(found.group(1), (major, minor, patch))
 
 
 @cache
@@ -83,12 +135,18 @@ def run_flags(sif: Path, *, fakeroot: bool = False) -> tuple[str, ...]:
         with _last_working_guard:
             _last_working = flags
         return flags
-    raise HarborHpcError(
-        f"apptainer cannot run {sif} here:\n  "
-        + "\n  ".join(f"{' '.join(tried) or '(no flags)'}: {why}" for tried, why in failures),
-        hint=(FAKEROOT_HINT if fakeroot else "")
-        + "; `harbor-hpc doctor` shows what is missing (user namespaces, subuid, /dev/fuse)",
-    )
+    said = "\n  ".join(f"{' '.join(tried) or '(no flags)'}: {why}" for tried, why in failures)
+    if _UNREADABLE_ZSTD in said:
+        hint = (
+            "the .sif is compressed with zstd, which this node's Apptainer (older than 1.4) "
+            'cannot read: set sif_compression = "gzip" in harbor-hpc.toml and convert again '
+            "(`harbor-hpc convert --force`)"
+        )
+    else:
+        hint = (FAKEROOT_HINT + "; " if fakeroot else "") + (
+            "`harbor-hpc doctor` shows what is missing (user namespaces, subuid, /dev/fuse)"
+        )
+    raise HarborHpcError(f"apptainer cannot run {sif} here:\n  {said}", hint=hint)
 
 
 def first_that_runs(
@@ -123,12 +181,29 @@ SQUASHFS_COMPRESSION = "zstd"
 SQUASHFS_ARGS = ("-comp", SQUASHFS_COMPRESSION, "-Xcompression-level", "3")
 
 
+COMPRESSIONS = ("zstd", "gzip")
+# What Apptainer before 1.4 says of a zstd squashfs (its partition check knows no zstd).
+_UNREADABLE_ZSTD = "unknown compression algorithm value 6"
+
+
 @cache
 def squashfs_options() -> tuple[str, ...]:
     """`apptainer build` options for the .sif's compression: SQUASHFS_ARGS where this node's
-    mksquashfs takes them (tried on an empty folder), else none (mksquashfs's gzip)."""
+    Apptainer (1.4 or newer) and mksquashfs take them (tried on an empty folder), else none
+    (mksquashfs's gzip), and none where harbor-hpc.toml says `sif_compression = "gzip"` (nodes
+    whose Apptainer is older than the converting node's)."""
+    config = load_config()
+    chosen = config.values.get("sif_compression", COMPRESSIONS[0])
+    if chosen not in COMPRESSIONS:
+        raise InputError(
+            f"{config.source}: sif_compression must be one of {', '.join(COMPRESSIONS)}, "
+            f"not {chosen!r}"
+        )
+    version = apptainer_version(find_apptainer())
     mksquashfs = shutil.which("mksquashfs")
-    if mksquashfs is None:
+    if chosen == "gzip" or mksquashfs is None or version is None:
+        return ()
+    if version.release < ZSTD_MINIMUM:
         return ()
     with tempfile.TemporaryDirectory(prefix="harbor-hpc-mksquashfs-") as scratch:
         empty = Path(scratch) / "empty"

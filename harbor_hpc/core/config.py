@@ -41,6 +41,9 @@ KNOWN_KEYS: dict[str, type] = {
     "nohttps": bool,
     # `build_args = ["NAME=VALUE"]`: `--build-arg` values every build gets (flags win per NAME).
     "build_args": list,
+    # How .sif images are compressed: "zstd" (where the converting node can) or "gzip", which
+    # every Apptainer reads (for nodes whose Apptainer is older than 1.4).
+    "sif_compression": str,
 }
 # The keys whose values are paths (`~` expanded).
 PATH_KEYS = frozenset({"manifest", "cache_dir", "wheels_dir", "run_dir", "scratch_dir"})

@@ -9,7 +9,8 @@ import pytest
 
 from harbor_hpc.apptainer import probes
 from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.runtime import find_apptainer, run_flags, squashfs_options
+from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.probe import Finding, Status
 
 
@@ -38,6 +39,79 @@ def test_a_broken_install_stops_the_preflight_with_its_error(broken_apptainer: P
     assert "run an image" not in found  # nothing more is tried with a binary that cannot start
     with pytest.raises(SystemExit, match=r"libc\.so\.6.*reinstall"):
         SingularityEnvironment.preflight()
+
+
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says: str, fails: str = "") -> Path:
+    """An install whose `--version` says `says` (as each project words it) and whose every
+    other command fails saying `fails`."""
+    binary = tmp_path / "apptainer"
+    binary.write_text(
+        f"#!/bin/sh\n[ \"$1\" = --version ] && echo '{says}' && exit 0\necho '{fails}' >&2\n"
+        "exit 255\n"
+    )
+    binary.chmod(0o755)
+    monkeypatch.setenv("HARBOR_HPC_APPTAINER", str(binary))
+    find_apptainer.cache_clear()
+    squashfs_options.cache_clear()
+    return binary
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_install() -> Iterator[None]:
+    yield
+    find_apptainer.cache_clear()
+    squashfs_options.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "says",
+    ["singularity-ce version 4.1.0", "singularity version 3.8.7", "apptainer version 1.0.3"],
+)
+def test_an_install_harbor_hpc_cannot_use_is_named_at_start(
+    says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed(tmp_path, monkeypatch, says)
+    version = by_name(probes.install_findings())["version"]
+    assert version.status is Status.MISSING and "Apptainer 1.1.0 or newer" in version.detail
+    assert says.split(" version ")[0] in version.detail
+    with pytest.raises(SystemExit, match=r"Apptainer 1\.1\.0 or newer"):
+        SingularityEnvironment.preflight()
+
+
+def test_apptainer_before_1_4_converts_with_gzip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--mksquashfs-args (and zstd images) came in Apptainer 1.4.0: an older one gets neither."""
+    installed(tmp_path, monkeypatch, "apptainer version 1.3.6")
+    version = by_name(probes.install_findings())["version"]
+    assert version.status is Status.WARN and "converted with gzip" in version.detail
+    assert squashfs_options() == ()
+
+
+def test_a_zstd_image_on_a_node_before_1_4_says_how_to_convert_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said = "FATAL: while loading: corrupted image: unknown compression algorithm value 6"
+    installed(tmp_path, monkeypatch, "apptainer version 1.3.6", fails=said)
+    sif = tmp_path / "image.sif"
+    sif.write_bytes(b"")
+    with pytest.raises(HarborHpcError) as raised:
+        run_flags(sif)
+    assert said in raised.value.message
+    assert raised.value.hint is not None and 'sif_compression = "gzip"' in raised.value.hint
+
+
+def test_sif_compression_gzip_is_a_site_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "harbor-hpc.toml").write_text('sif_compression = "gzip"\n')
+    monkeypatch.setenv("HARBOR_HPC_CONFIG", str(tmp_path / "harbor-hpc.toml"))
+    squashfs_options.cache_clear()
+    assert squashfs_options() == ()
+    (tmp_path / "harbor-hpc.toml").write_text('sif_compression = "lz4"\n')
+    squashfs_options.cache_clear()
+    with pytest.raises(InputError, match="sif_compression must be one of zstd, gzip, not 'lz4'"):
+        squashfs_options()
 
 
 @pytest.mark.apptainer
