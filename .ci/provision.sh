@@ -43,7 +43,7 @@ APT_PKGS=(
   docker.io docker-registry apache2-utils debootstrap slurm-wlm munge
   squashfs-tools squashfuse fuse2fs fuse-overlayfs fuse3 uidmap patchelf tmux procps slirp4netns
   containernetworking-plugins gocryptfs curl ca-certificates iptables xz-utils zstd e2fsprogs util-linux passwd
-  sudo nftables
+  sudo nftables gcc libc6-dev
 )
 
 export DEBIAN_FRONTEND=noninteractive
@@ -412,6 +412,12 @@ part_slurm() {
     wait_for 30 "slurmctld (scontrol ping)" slurmctld_up
     notes+=("slurmctld started")
   fi
+  # CI's no-network-namespace stage runs slurmd under a seccomp filter (.ci/nonetns.c) and
+  # restarts it plain when done; one it left filtered (a cancelled CI) is restarted plain here.
+  if pid_alive /run/slurmd.pid slurmd && grep -q '^Seccomp:[[:space:]]*2' "/proc/$(cat /run/slurmd.pid)/status"; then
+    stop_pid /run/slurmd.pid slurmd || true
+    notes+=("slurmd restarted without the no-network-namespace filter")
+  fi
   if pid_alive /run/slurmd.pid slurmd; then
     notes+=("slurmd reused")
   else
@@ -660,6 +666,7 @@ multi_node_net() { # NODE INDEX: its namespace, veth pair on the bridge, address
 multi_keep() { case "$REPO_DIR" in /tmp/*) echo "$REPO_DIR" ;; *) echo "" ;; esac; }
 # Nodes start, crash, lose their network and come back through .ci/node, installed for the tests.
 NODE_TOOL=/usr/local/sbin/harbor-hpc-ci-node
+NONETNS=/usr/local/sbin/harbor-hpc-ci-nonetns
 
 part_multinode() {
   local notes=() i node tmp cpus mem_mb real_mem changed=0
@@ -678,6 +685,13 @@ part_multinode() {
   if ! cmp -s "$CI_DIR/node" "$NODE_TOOL"; then
     install -m 755 -o root -g root "$CI_DIR/node" "$NODE_TOOL"
     notes+=("installed $NODE_TOOL")
+  fi
+  # A command where no network namespace can be made (.ci/nonetns.c), for CI's stage of that.
+  if ! cmp -s "$CI_DIR/nonetns.c" "$NONETNS.c" || [ ! -x "$NONETNS" ]; then
+    gcc -O2 -Wall -Werror -o "$NONETNS.new" "$CI_DIR/nonetns.c" || die "cannot compile $CI_DIR/nonetns.c"
+    mv "$NONETNS.new" "$NONETNS"
+    install -m 644 "$CI_DIR/nonetns.c" "$NONETNS.c"
+    notes+=("built $NONETNS")
   fi
 
   cpus=$(nproc)
@@ -964,6 +978,7 @@ export HARBOR_HPC_TEST_MULTI_SLURM_CONF=$MULTI_CONF
 export HARBOR_HPC_TEST_SHARED_DIR=$SHARED_DIR
 export HARBOR_HPC_TEST_MULTI_NODE_TMP=$MULTI_TMP
 export HARBOR_HPC_TEST_NODE_TOOL=$NODE_TOOL
+export HARBOR_HPC_TEST_NONETNS=$NONETNS
 EOF
   chmod 644 "$tmp"
   if cmp -s "$tmp" "$ENV_FILE"; then

@@ -64,11 +64,13 @@ from harbor_hpc.apptainer.errors import (
 )
 from harbor_hpc.apptainer.limits import AS_YOU, ONE_ID, ROOT_MAPPED, node_network, write_limits
 from harbor_hpc.apptainer.network import (
-    ADMIN_HINT,
+    NETNS_HINT,
     RESOLV_CONF,
     OwnNetwork,
     egress_problem,
     hosts_file,
+    netns_problem,
+    network_hint,
     own_network_problem,
 )
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
@@ -147,17 +149,19 @@ def parse_extra_hosts(text: str | None) -> dict[str, list[str]]:
 
 
 def environment_capabilities(
-    *, mounted: bool, egress: bool | None = None, gpus: bool = True
+    *, mounted: bool, egress: bool | None = None, netns: bool | None = None, gpus: bool = True
 ) -> EnvironmentCapabilities:
-    """What a task may ask of our environments: no network is an empty network namespace; an
-    allowlist, and a policy per phase, where the container gets a network of its own and
-    nftables (`egress`: on this node, by default); GPUs, those Slurm gave the job (gpus.py);
-    compose services, as one pod (pod.py)."""
+    """What a task may ask of our environments: no network, where the user may make a network
+    namespace (`netns`: on this node, by default); an allowlist, and a policy per phase, where
+    the container gets a network of its own and nftables (`egress`: on this node, by default);
+    GPUs, those Slurm gave the job (gpus.py); compose services, as one pod (pod.py)."""
     if egress is None:
         egress = egress_problem() is None
+    if netns is None:
+        netns = netns_problem() is None
     return EnvironmentCapabilities(
         mounted=mounted,
-        disable_internet=True,
+        disable_internet=netns,
         dynamic_network_policy=egress,
         # The allowlist with every entry kind Harbor knows (egress_proxy.py reads them all).
         **{
@@ -301,6 +305,19 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     @override
     def capabilities(self) -> EnvironmentCapabilities:
         return environment_capabilities(mounted=True)
+
+    @override
+    def validate_network_policy_support(self, network_policy: NetworkPolicy | None = None) -> None:
+        """Harbor's check, with the reason where no network cannot be had here."""
+        policy = network_policy or self._network_policy
+        problem = netns_problem()
+        if policy.network_mode == NetworkMode.NO_NETWORK and problem is not None:
+            raise UnsupportedTask(
+                f"task {self.environment_name} asks for no network, which takes a network "
+                f"namespace, and this node gives none: {problem}; {NETNS_HINT}, or run the task "
+                "where `harbor-hpc doctor` says `network policies: ok`"
+            )
+        super().validate_network_policy_support(network_policy)
 
     @classmethod
     @override
@@ -448,7 +465,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             self.logger.warning("task %s: %s", self.environment_name, limit)
         if self._network_problem is not None:
             self.logger.warning(
-                "task %s: for a network of its own, %s", self.environment_name, ADMIN_HINT
+                "task %s: for a network of its own, %s", self.environment_name, network_hint()
             )
         write_limits(self.trial_paths.trial_dir, limits)
 

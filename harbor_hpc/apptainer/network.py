@@ -20,6 +20,8 @@ import shutil
 from collections.abc import Mapping
 from functools import cache
 
+from harbor_hpc.core.proc import run
+
 SLIRP4NETNS = "slirp4netns"
 TUN = "/dev/net/tun"
 # slirp4netns's DNS forwarder inside the container's network, and the container's address.
@@ -54,9 +56,37 @@ def hosts_file(hostname: str, *, own_network: bool, extra: Mapping[str, list[str
     return HOSTS_HEADER + "\n".join(lines) + "\n"
 
 
+NETNS_HINT = (
+    "an admin allows users network namespaces (sysctl user.max_net_namespaces above 0, and no "
+    "security policy refusing them)"
+)
+
+
+@cache
+def netns_problem() -> str | None:
+    """Why this user cannot make a network namespace (what a container without network, or
+    with one of its own, needs), or None; None too where user namespaces themselves fail (a
+    setuid install makes its namespaces as root; doctor names a missing user namespace)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or not run([unshare, "--user", "--map-root-user", "true"]).ok:
+        return None
+    tried = run([unshare, "--user", "--map-root-user", "--net", "true"])
+    if tried.ok:
+        return None
+    return f"no network namespace for this user ({tried.why()})"
+
+
+def network_hint() -> str:
+    """What an admin does so that containers get a network of their own here."""
+    return NETNS_HINT if netns_problem() is not None else ADMIN_HINT
+
+
 @cache
 def own_network_problem() -> str | None:
     """Why containers cannot have a network of their own with the internet here, or None."""
+    problem = netns_problem()
+    if problem is not None:
+        return problem
     if shutil.which(SLIRP4NETNS) is None:
         return f"{SLIRP4NETNS} is not on PATH"
     if not os.access(TUN, os.R_OK | os.W_OK):

@@ -27,7 +27,12 @@ from pathlib import Path
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.limits import ONE_ID
-from harbor_hpc.apptainer.network import ADMIN_HINT, egress_problem, own_network_problem
+from harbor_hpc.apptainer.network import (
+    egress_problem,
+    netns_problem,
+    network_hint,
+    own_network_problem,
+)
 from harbor_hpc.apptainer.roots import UNPACK_AS_ROOT
 from harbor_hpc.apptainer.runtime import (
     CANDIDATE_FLAGS,
@@ -302,7 +307,7 @@ def network_finding() -> Finding:
         "own network",
         Status.WARN,
         f"{problem}: containers with network share the node's (ports collide, none below 1024)",
-        ADMIN_HINT,
+        network_hint(),
     )
 
 
@@ -316,11 +321,19 @@ def network_policy_finding() -> Finding:
             "no network, allowlists (hostnames, *.wildcards, IPv4/IPv6 addresses and CIDRs), "
             "a policy per phase",
         )
+    if netns_problem() is not None:
+        return Finding(
+            "network policies",
+            Status.WARN,
+            f"none: {problem}; tasks that ask for no network, an allowlist or a policy per "
+            "phase are refused",
+            network_hint(),
+        )
     return Finding(
         "network policies",
         Status.WARN,
         f"no network only: {problem}; tasks with an allowlist or a policy per phase are refused",
-        ADMIN_HINT if own_network_problem() else "an admin installs nftables (`nft`)",
+        network_hint() if own_network_problem() else "an admin installs nftables (`nft`)",
     )
 
 
@@ -345,7 +358,7 @@ def compose_finding() -> Finding:
         Status.WARN,
         "services run beside the task on the node's network (their ports collide with other "
         "users')",
-        ADMIN_HINT,
+        network_hint(),
     )
 
 
@@ -397,8 +410,10 @@ def exec_finding(image: Path) -> Finding:
 
 def task_container_finding(image: Path) -> Finding:
     """The task container as the environment starts it: root inside, writing its image through
-    an overlay on the scratch space ($TMPDIR), in a network namespace of its own, with the
+    an overlay on the scratch space ($TMPDIR), in a network namespace of its own where the
+    user may make one (else on the node's, as the environment starts it there), with the
     server's mounts (the image view among them)."""
+    netns = netns_problem() is None
     private = PrivateDir("harbor-hpc-doctor-")
     scratch = private.path
     try:
@@ -413,17 +428,18 @@ def task_container_finding(image: Path) -> Finding:
                 f': > /harbor-hpc-probe && [ "$HOME" ] && [ -x {IMAGE_VIEW}/bin/sh ]',
             ],
             overlay=scratch / "overlay",
-            own_network=True,
+            own_network=netns,
             options=server_mounts(scratch / "staging", image),
         )
         attempt = run(command, timeout=PROBE_TIMEOUT_S)
     finally:
         private.remove()
     if attempt.ok:
+        network = "no-network namespace" if netns else "the node's network"
         return Finding(
             "task container",
             Status.OK,
-            f"root inside, writable overlay on {scratch.parent}, no-network namespace",
+            f"root inside, writable overlay on {scratch.parent}, {network}",
         )
     return Finding(
         "task container",

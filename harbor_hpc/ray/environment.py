@@ -237,7 +237,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         # The node enforces a network policy, or its environment refuses to start, naming why.
         # GPUs are not reserved on Ray nodes (a placement group holds CPUs and memory only).
         # Compose services run as a pod on the node; their operations are relayed there.
-        return environment_capabilities(mounted=False, egress=True, gpus=False)
+        return environment_capabilities(mounted=False, egress=True, netns=True, gpus=False)
 
     @override
     async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:

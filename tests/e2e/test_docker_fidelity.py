@@ -33,7 +33,8 @@ from harbor_hpc.apptainer.errors import (
     MemoryLimitExceededError,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.limits import ONE_ID
+from harbor_hpc.apptainer.limits import ONE_ID, read_limits
+from harbor_hpc.apptainer.network import netns_problem
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import FETCH_ANSWER, answer_service
@@ -190,8 +191,27 @@ def test_each_container_has_a_network_of_its_own(
 ) -> None:
     """As with Docker: the network reaches out, port 80 is the container's own (two containers
     bind it at once), the node's loopback services are not reachable; and no-network is only
-    loopback, reaching nothing."""
+    loopback, reaching nothing. Where the user may make no network namespace (CI's stage of
+    that), no-network is refused naming why, and a container shares the node's network, which
+    its trial's folder says."""
     interfaces = "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort"
+    if netns_problem() is not None:
+        closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
+        with pytest.raises(UnsupportedTask, match="asks for no network, which takes a network"):
+            make_environment(fidelity_sif, tmp_path / "closed", network_policy=closed)
+
+        async def shared() -> str:
+            environment = make_environment(fidelity_sif, tmp_path / "one")
+            await environment.start(force_build=False)
+            try:
+                return await run(environment, connect_command(*host_listener))
+            finally:
+                await environment.stop(delete=True)
+
+        assert asyncio.run(shared()) == "connected\n"
+        limits = read_limits(tmp_path / "one" / "trial")
+        assert [limit for limit in limits if "shares the node's network" in limit], limits
+        return
 
     async def main() -> dict[str, str]:
         seen = {}
@@ -449,6 +469,12 @@ def test_published_task_features_through_submit(
     one_id = bool(missing_subid_ranges())
     expected = {**EXPECTED, "add-user": ("done", 0.0 if one_id else 1.0, None)}
     assert (ONE_ID in statuses["add-user"]["limits"]) == one_id
+    # Where the user may make no network namespace, no network is refused naming why, and the
+    # rest share the node's network, which they say (root's port 80 is then not theirs).
+    if netns_problem() is not None:
+        expected |= {"no-network": ("failed", None, "unsupported"), "as-root": ("done", 0.0, None)}
+        assert "network namespace" in (statuses["no-network"]["message"] or "")
+        assert any("node's network" in limit for limit in statuses["as-root"]["limits"])
     wrong = {name: row for name, row in statuses.items() if seen[name] != expected.get(name)}
     assert seen == expected, "\n".join(
         f"{name}: {row}\n{trial_logs(run_dir / 'trials' / str(row['trial']))}"
