@@ -412,11 +412,17 @@ part_slurm() {
     wait_for 30 "slurmctld (scontrol ping)" slurmctld_up
     notes+=("slurmctld started")
   fi
-  # CI's no-network-namespace stage runs slurmd under a seccomp filter (.ci/nonetns.c) and
-  # restarts it plain when done; one it left filtered (a cancelled CI) is restarted plain here.
-  if pid_alive /run/slurmd.pid slurmd && grep -q '^Seccomp:[[:space:]]*2' "/proc/$(cat /run/slurmd.pid)/status"; then
-    stop_pid /run/slurmd.pid slurmd || true
-    notes+=("slurmd restarted without the no-network-namespace filter")
+  # CI's stages of clusters as they are run slurmd under a seccomp filter (.ci/nonetns.c) or
+  # with a small /tmp of its own (.ci/smalltmp) and restart it plain when done; one left so (a
+  # cancelled CI) is restarted plain here.
+  if pid_alive /run/slurmd.pid slurmd; then
+    local slurmd_pid
+    slurmd_pid=$(cat /run/slurmd.pid)
+    if grep -q '^Seccomp:[[:space:]]*2' "/proc/$slurmd_pid/status" ||
+      [ "$(readlink "/proc/$slurmd_pid/ns/mnt")" != "$(readlink /proc/self/ns/mnt)" ]; then
+      stop_pid /run/slurmd.pid slurmd || true
+      notes+=("slurmd restarted as provisioned (a CI stage had left it filtered or in a mount namespace)")
+    fi
   fi
   if pid_alive /run/slurmd.pid slurmd; then
     notes+=("slurmd reused")

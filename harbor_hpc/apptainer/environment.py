@@ -62,7 +62,14 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.limits import AS_YOU, ONE_ID, ROOT_MAPPED, node_network, write_limits
+from harbor_hpc.apptainer.limits import (
+    AS_YOU,
+    IN_MEMORY,
+    ONE_ID,
+    ROOT_MAPPED,
+    node_network,
+    write_limits,
+)
 from harbor_hpc.apptainer.network import (
     NETNS_HINT,
     RESOLV_CONF,
@@ -74,7 +81,7 @@ from harbor_hpc.apptainer.network import (
     own_network_problem,
 )
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
-from harbor_hpc.apptainer.probes import install_problem
+from harbor_hpc.apptainer.probes import filesystem_type, install_problem
 from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
@@ -452,7 +459,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     def _record_limits(self) -> None:
         """Say in the trial's folder (and its log) where this container is weaker than
-        Docker's: one id without a subuid range, the node's network, not root."""
+        Docker's: one id without a subuid range, the node's network, not root, in memory."""
         assert self._main is not None
         limits = []
         if self._main.root_user is None:
@@ -461,6 +468,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             limits.append(ONE_ID)
         if self._network_problem is not None:
             limits.append(node_network(self._network_problem))
+        if self._scratch is not None and filesystem_type(self._scratch.path) == "tmpfs":
+            limits.append(IN_MEMORY)
         for limit in limits:
             self.logger.warning("task %s: %s", self.environment_name, limit)
         if self._network_problem is not None:

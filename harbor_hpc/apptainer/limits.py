@@ -21,6 +21,10 @@ ONE_ID = (
     "one id in the container (without an /etc/subuid range Apptainer maps root alone and fakes "
     "the rest): files that the task's other users create belong to root"
 )
+IN_MEMORY = (
+    "writes in memory: its scratch folder (its writable layer, /tmp) is on a tmpfs, which its "
+    "memory_mb does not count"
+)
 AS_YOU = "runs as you, not as root (fakeroot=false): tasks that need root fail"
 
 

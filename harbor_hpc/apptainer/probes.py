@@ -49,6 +49,7 @@ from harbor_hpc.apptainer.runtime import (
     squashfs_options,
     task_container_command,
 )
+from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import file_lock
 from harbor_hpc.core.probe import Finding, Status, current_user
@@ -83,6 +84,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         unpacked_roots_finding(),
         fuse_finding(),
         squashfuse_finding(build_config),
+        trial_scratch_finding(),
         network_finding(),
         network_policy_finding(),
         compose_finding(),
@@ -615,7 +617,7 @@ def scratch_finding(folder: Path) -> Finding:
         return Finding("scratch space", Status.MISSING, f"{folder} is not writable", fix)
     free = shutil.disk_usage(existing).free
     detail = f"{folder} ({free / 2**30:.1f} GiB free"
-    kind = _filesystem_type(existing)
+    kind = filesystem_type(existing)
     if kind in _NETWORK_FILESYSTEMS:
         return Finding(
             "scratch space",
@@ -628,7 +630,7 @@ def scratch_finding(folder: Path) -> Finding:
     return Finding("scratch space", Status.OK, f"{detail}, {kind or 'local'})")
 
 
-def _filesystem_type(path: Path) -> str:
+def filesystem_type(path: Path) -> str:
     """The type of the filesystem `path` is on, from /proc/mounts (empty when unknown)."""
     try:
         mounts = Path("/proc/mounts").read_text().splitlines()
@@ -644,6 +646,27 @@ def _filesystem_type(path: Path) -> str:
         if inside and len(point) >= len(best):
             best, kind = point, fields[2]
     return kind
+
+
+def trial_scratch_finding() -> Finding:
+    """Where task containers write (their writable layers, /tmp): harbor-hpc.toml's
+    scratch_dir, else $TMPDIR or /tmp; on a disk, not in memory."""
+    configured = load_config().values.get("scratch_dir")
+    folder = Path(configured) if configured else Path(tempfile.gettempdir())
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free / 2**30
+    kind = filesystem_type(existing)
+    if kind == "tmpfs":
+        return Finding(
+            "trial scratch",
+            Status.WARN,
+            f"{folder} is a tmpfs ({free:.1f} GiB free): what tasks write is held in memory, "
+            "which their memory_mb does not count, and a full one fails them",
+            "set scratch_dir in harbor-hpc.toml (or TMPDIR) to a folder on a local disk",
+        )
+    return Finding("trial scratch", Status.OK, f"{folder} ({kind or 'local'}, {free:.1f} GiB free)")
 
 
 def store_finding(cache_dir: Path) -> Finding:

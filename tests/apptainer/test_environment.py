@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -33,12 +34,13 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
 from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
-from harbor_hpc.apptainer.limits import AS_YOU, ONE_ID, read_limits
-from harbor_hpc.apptainer.probes import missing_subid_ranges
+from harbor_hpc.apptainer.limits import AS_YOU, IN_MEMORY, ONE_ID, read_limits
+from harbor_hpc.apptainer.probes import missing_subid_ranges, trial_scratch_finding
 from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import process_tree
+from harbor_hpc.core.probe import Status
 from tests.support.processes import container_processes, gone_within
 from tests.support.users import other_user_command
 
@@ -633,6 +635,38 @@ def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot
     assert (ONE_ID in limits) == (fakeroot and bool(missing_subid_ranges()))
     assert int(size) == payload.stat().st_size
     assert server == f"{IMAGE_VIEW}/usr/bin/python3.11\nread-only\n"
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_a_scratch_folder_in_memory_is_named(debian_sif: Path, tmp_path: Path) -> None:
+    """Nodes whose /tmp is a tmpfs put a container's writable layer in memory, which its
+    memory_mb does not count: the trial says so, as doctor does (/dev/shm stands in)."""
+    scratch = Path("/dev/shm") / f"harbor-hpc-test-{uuid.uuid4().hex}"
+
+    async def main() -> None:
+        async with started(debian_sif, tmp_path / "env", scratch_dir=scratch) as environment:
+            assert (await environment.exec("echo x > /root/file && cat /root/file")).stdout == "x\n"
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert IN_MEMORY in read_limits(tmp_path / "env" / "trial")
+
+
+def test_doctor_names_trial_scratch_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "harbor-hpc.toml").write_text('scratch_dir = "/dev/shm/harbor-hpc-nowhere"\n')
+    monkeypatch.setenv("HARBOR_HPC_CONFIG", str(tmp_path / "harbor-hpc.toml"))
+    found = trial_scratch_finding()
+    assert (
+        found.status is Status.WARN and "is a tmpfs" in found.detail and "scratch_dir" in found.fix
+    )
+    monkeypatch.setenv("HARBOR_HPC_CONFIG", str(tmp_path / "none.toml"))
+    (tmp_path / "none.toml").write_text(f'scratch_dir = "{tmp_path}"\n')
+    assert trial_scratch_finding().status is Status.OK
 
 
 @pytest.mark.apptainer
