@@ -67,6 +67,7 @@ from harbor_hpc.apptainer.limits import (
     IN_MEMORY,
     ONE_ID,
     ROOT_MAPPED,
+    WRITABLE_TMPFS,
     node_network,
     write_limits,
 )
@@ -85,8 +86,12 @@ from harbor_hpc.apptainer.probes import filesystem_type, install_problem
 from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
+    OVERLAY_OFF,
+    OVERLAY_OFF_FIX,
+    refuses_overlay_folders,
     run_flags,
     task_container_command,
+    writes_in_memory,
 )
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.watchdog import MemoryWatchdog
@@ -468,7 +473,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             limits.append(ONE_ID)
         if self._network_problem is not None:
             limits.append(node_network(self._network_problem))
-        if self._scratch is not None and filesystem_type(self._scratch.path) == "tmpfs":
+        if writes_in_memory():
+            limits.append(WRITABLE_TMPFS)
+        elif self._scratch is not None and filesystem_type(self._scratch.path) == "tmpfs":
             limits.append(IN_MEMORY)
         for limit in limits:
             self.logger.warning("task %s: %s", self.environment_name, limit)
@@ -606,7 +613,19 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     async def _launch(self, flags: tuple[str, ...]) -> None:
         assert self._main is not None
-        await self._main.launch(self._command(flags))
+        try:
+            await self._main.launch(self._command(flags))
+        except ContainerStartFailed as exc:
+            said = str(exc)
+            if OVERLAY_OFF in said:
+                raise ContainerStartFailed(
+                    f"task {self.environment_name}: this node's apptainer.conf turns overlays "
+                    f"off (enable overlay = no): {OVERLAY_OFF_FIX}"
+                ) from exc
+            if writes_in_memory() or not refuses_overlay_folders(said):
+                raise
+            # The site allows no overlay folder: the container writes in memory instead.
+            await self._main.launch(self._command(flags))
         server = self._main.server_pid()
         if self._own_network:
             if server is None:

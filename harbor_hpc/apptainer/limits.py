@@ -25,6 +25,11 @@ IN_MEMORY = (
     "writes in memory: its scratch folder (its writable layer, /tmp) is on a tmpfs, which its "
     "memory_mb does not count"
 )
+WRITABLE_TMPFS = (
+    "writes in memory (--writable-tmpfs: this node's apptainer.conf allows no overlay folder, "
+    "`allow container dir = no`): what it writes is bounded by apptainer.conf's `sessiondir max "
+    "size` and not counted against its memory_mb"
+)
 AS_YOU = "runs as you, not as root (fakeroot=false): tasks that need root fail"
 
 

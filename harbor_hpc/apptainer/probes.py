@@ -38,6 +38,8 @@ from harbor_hpc.apptainer.runtime import (
     CANDIDATE_FLAGS,
     FAKEROOT,
     FAKEROOT_HINT,
+    OVERLAY_OFF,
+    OVERLAY_OFF_FIX,
     PROBE_TIMEOUT_S,
     SQUASHFS_COMPRESSION,
     TESTED,
@@ -46,6 +48,8 @@ from harbor_hpc.apptainer.runtime import (
     build_command,
     find_apptainer,
     first_that_runs,
+    refuses_overlay_folders,
+    site_policy_fix,
     squashfs_options,
     task_container_command,
 )
@@ -53,7 +57,7 @@ from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import file_lock
 from harbor_hpc.core.probe import Finding, Status, current_user
-from harbor_hpc.core.proc import run
+from harbor_hpc.core.proc import Ran, run
 from harbor_hpc.core.scratch import PrivateDir
 
 log = logging.getLogger(__name__)
@@ -398,11 +402,13 @@ def exec_finding(image: Path) -> Finding:
     flags, failures = first_that_runs(image, CANDIDATE_FLAGS)
     tried = {" ".join(tried) or "plain": why for tried, why in failures}
     if flags is None:
+        said = "; ".join(f"{mode}: {why}" for mode, why in tried.items())
         return Finding(
             "run an image",
             Status.MISSING,
-            "; ".join(f"{mode}: {why}" for mode, why in tried.items()),
-            "see the rows above (user namespaces, /dev/fuse); `apptainer exec` of any image "
+            said,
+            site_policy_fix(said)
+            or "see the rows above (user namespaces, /dev/fuse); `apptainer exec` of any image "
             "must work for this user",
         )
     failed = "".join(f" ({mode} failed: {why})" for mode, why in tried.items())
@@ -415,6 +421,37 @@ def task_container_finding(image: Path) -> Finding:
     an overlay on the scratch space ($TMPDIR), in a network namespace of its own where the
     user may make one (else on the node's, as the environment starts it there), with the
     server's mounts (the image view among them)."""
+    attempt = _try_task_container(image)
+    if refuses_overlay_folders(attempt.why()):  # the environment then writes in memory: so here
+        in_memory = _try_task_container(image)
+        if in_memory.ok:
+            return Finding(
+                "task container",
+                Status.WARN,
+                "root inside, but writing in memory (--writable-tmpfs): this node's "
+                "apptainer.conf allows no overlay folder, so a task may write no more than "
+                "`sessiondir max size`",
+                "ask the cluster admins for `allow container dir = yes` (overlay folders on disk)",
+            )
+        attempt = in_memory
+    if attempt.ok:
+        network = "no-network namespace" if netns_problem() is None else "the node's network"
+        return Finding(
+            "task container",
+            Status.OK,
+            f"root inside, writable overlay on {Path(tempfile.gettempdir())}, {network}",
+        )
+    why = attempt.why()
+    return Finding(
+        "task container",
+        Status.MISSING,
+        f"--fakeroot with an overlay fails ({why}): tasks cannot run as in Docker",
+        OVERLAY_OFF_FIX if OVERLAY_OFF in why else site_policy_fix(why) or FAKEROOT_HINT,
+    )
+
+
+def _try_task_container(image: Path) -> Ran:
+    """The task container's command, as the environment builds it, run once."""
     netns = netns_problem() is None
     private = PrivateDir("harbor-hpc-doctor-")
     scratch = private.path
@@ -433,22 +470,9 @@ def task_container_finding(image: Path) -> Finding:
             own_network=netns,
             options=server_mounts(scratch / "staging", image),
         )
-        attempt = run(command, timeout=PROBE_TIMEOUT_S)
+        return run(command, timeout=PROBE_TIMEOUT_S)
     finally:
         private.remove()
-    if attempt.ok:
-        network = "no-network namespace" if netns else "the node's network"
-        return Finding(
-            "task container",
-            Status.OK,
-            f"root inside, writable overlay on {scratch.parent}, {network}",
-        )
-    return Finding(
-        "task container",
-        Status.MISSING,
-        f"--fakeroot with an overlay fails ({attempt.why()}): tasks cannot run as in Docker",
-        FAKEROOT_HINT,
-    )
 
 
 @contextmanager

@@ -143,7 +143,7 @@ def run_flags(sif: Path, *, fakeroot: bool = False) -> tuple[str, ...]:
             "(`harbor-hpc convert --force`)"
         )
     else:
-        hint = (FAKEROOT_HINT + "; " if fakeroot else "") + (
+        hint = site_policy_fix(said) or (FAKEROOT_HINT + "; " if fakeroot else "") + (
             "`harbor-hpc doctor` shows what is missing (user namespaces, subuid, /dev/fuse)"
         )
     raise HarborHpcError(f"apptainer cannot run {sif} here:\n  {said}", hint=hint)
@@ -228,22 +228,66 @@ def build_command(*arguments: str, binary: str | None = None) -> list[str]:
 DEFAULT_NO_MOUNT = "home,tmp,bind-paths"
 
 
+# What Apptainer says where the site's apptainer.conf refuses what a container's writable root
+# needs: an overlay folder is a sandbox container to it (`allow container dir = no`), and
+# overlays of any kind, --writable-tmpfs too, can be off (`enable overlay = no`).
+SANDBOX_REFUSED = "configuration disallows users from running sandbox containers"
+OVERLAY_OFF = "requires 'enable overlay'"
+OVERLAY_OFF_FIX = (
+    "a container's root cannot be written, as every task's is under Docker: ask the cluster "
+    "admins for `enable overlay = yes` in apptainer.conf"
+)
+_writable_in_memory = threading.Event()  # set once this node refused an overlay folder
+# apptainer.conf's keys behind Apptainer's refusals, where its words do not name the key.
+_POLICY_KEYS = {
+    "disallows users from running sandbox containers": "allow container dir",
+    "disallows users from running unencrypted SIF containers": "allow container sif",
+    "disallows users from running extfs containers": "allow container extfs",
+}
+_SET_TO_NO = re.compile(r"requires '([a-z ]+)', but set to 'no' by administrator")
+
+
+def site_policy_fix(said: str) -> str | None:
+    """Where Apptainer's words `said` are a refusal by the site's apptainer.conf, what to ask
+    the admins for (the key, set to yes); None otherwise."""
+    if "is not in an allowed configured path" in said:
+        return (
+            "this node's apptainer.conf runs images only from the folders its `limit container "
+            "paths` names: keep the .sif store (cache_dir) in one of them, or ask the admins to "
+            "add it"
+        )
+    named = _SET_TO_NO.search(said)
+    key = named.group(1) if named else next((k for m, k in _POLICY_KEYS.items() if m in said), None)
+    if key is None:
+        return None
+    return f"this node's apptainer.conf refuses it: ask the cluster admins for `{key} = yes`"
+
+
+def refuses_overlay_folders(said: str) -> bool:
+    """Whether Apptainer's words `said` are the site's refusal of an overlay folder; if so,
+    containers of this process from now on write in memory (--writable-tmpfs)."""
+    if SANDBOX_REFUSED not in said or "overlay" not in said:
+        return False
+    _writable_in_memory.set()
+    return True
+
+
+def writes_in_memory() -> bool:
+    """Containers get --writable-tmpfs: this node's apptainer.conf refused overlay folders."""
+    return _writable_in_memory.is_set()
+
+
 def container_flags(
     *, overlay: Path, own_network: bool, no_mount: str = DEFAULT_NO_MOUNT
 ) -> list[str]:
     """The isolation a task's container gets, as Docker gives it: its own /tmp, /dev/shm and
     HOME from the image (nothing of the host's), a disk-backed writable root file system
-    (`overlay`, a folder on scratch space), its own process and IPC namespaces (so every process
-    of the container, daemons included, stays in one tree), and with `own_network` a network
-    namespace of its own, with only loopback until something connects it (network.py)."""
-    flags = [
-        "--contain",
-        "--cleanenv",
-        "--ipc",
-        "--pid",
-        "--overlay",
-        str(overlay),
-    ]
+    (`overlay`, a folder on scratch space; in memory, --writable-tmpfs, where the site allows no
+    overlay folder), its own process and IPC namespaces (so every process of the container,
+    daemons included, stays in one tree), and with `own_network` a network namespace of its
+    own, with only loopback until something connects it (network.py)."""
+    writable = ["--writable-tmpfs"] if writes_in_memory() else ["--overlay", str(overlay)]
+    flags = ["--contain", "--cleanenv", "--ipc", "--pid", *writable]
     for part in no_mount.split(","):
         if part.strip():
             flags += ["--no-mount", part.strip()]

@@ -1,0 +1,162 @@
+"""Sites' apptainer.conf policies, through Apptainer's own `--config` (a wrapper named by
+HARBOR_HPC_APPTAINER, as a site's module would put its apptainer first): what doctor says of
+each, and what a task container gets there, as an ordinary user (CI: the test user).
+
+Each policy is the system's apptainer.conf with one setting changed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+
+from harbor_hpc.apptainer import probes, runtime
+from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.apptainer.errors import ContainerStartFailed
+from harbor_hpc.apptainer.limits import WRITABLE_TMPFS, read_limits
+from harbor_hpc.core.probe import Finding, Status
+
+pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
+
+SYSTEM_CONF = Path("/etc/apptainer/apptainer.conf")
+Policy = Callable[[str, str], None]
+
+
+def forget() -> None:
+    """What this process learnt of the install: the binary, its flags, its overlays."""
+    runtime.find_apptainer.cache_clear()
+    runtime.run_flags.cache_clear()
+    runtime.apptainer_version.cache_clear()
+    runtime._writable_in_memory.clear()
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Policy]:
+    """`site(key, value)`: Apptainer from here on runs with apptainer.conf's `key = value`."""
+    if not SYSTEM_CONF.is_file():
+        pytest.skip(f"no {SYSTEM_CONF} to start from")
+    system = runtime.find_apptainer()
+
+    def policy(key: str, value: str) -> None:
+        text = SYSTEM_CONF.read_text()
+        line = f"{key} = {value}"
+        pattern = re.compile(rf"^#?\s*{re.escape(key)} = .*$", re.MULTILINE)
+        text = pattern.sub(line, text, count=1) if pattern.search(text) else f"{text}\n{line}\n"
+        conf = tmp_path / "apptainer.conf"
+        conf.write_text(text)
+        wrapper = tmp_path / "apptainer"
+        wrapper.write_text(f'#!/bin/sh\nexec {system} --config {conf} "$@"\n')
+        wrapper.chmod(0o755)
+        monkeypatch.setenv("HARBOR_HPC_APPTAINER", str(wrapper))
+        forget()
+
+    yield policy
+    monkeypatch.delenv("HARBOR_HPC_APPTAINER")
+    forget()
+
+
+def environment(image: Path, folder: Path) -> SingularityEnvironment:
+    trial_paths = TrialPaths(folder / "trial")
+    trial_paths.mkdir()
+    return SingularityEnvironment(
+        environment_dir=folder,
+        environment_name="site",
+        session_id="site__env",
+        trial_paths=trial_paths,
+        task_env_config=EnvironmentConfig(docker_image=str(image)),
+        logger=logging.getLogger("test"),
+    )
+
+
+def container_finding(cache_dir: Path) -> Finding:
+    with probes.probe_image(runtime.find_apptainer(), cache_dir) as image:
+        return probes.task_container_finding(image)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "status", "fix"),
+    [
+        ("enable overlay", "no", Status.MISSING, "`enable overlay = yes`"),
+        ("allow container dir", "no", Status.WARN, "`allow container dir = yes`"),
+        ("allow container sif", "no", Status.MISSING, "`allow container sif = yes`"),
+        ("enable fusemount", "no", Status.OK, ""),
+        ("sessiondir max size", "16", Status.OK, ""),
+    ],
+)
+def test_doctor_says_what_each_policy_leaves(
+    site: Policy, tmp_path: Path, key: str, value: str, status: Status, fix: str
+) -> None:
+    """No false alarm, no false ok, and the fix names apptainer.conf's key (not subuid ranges
+    and user namespaces, which are there)."""
+    site(key, value)
+    found = container_finding(tmp_path / "cache")
+    assert found.status is status, found
+    assert fix in (found.fix or ""), found
+
+
+def test_no_overlay_folders_write_in_memory_and_say_so(
+    site: Policy, debian_sif: Path, tmp_path: Path
+) -> None:
+    """`allow container dir = no`: an overlay folder is a sandbox to Apptainer, so the
+    container writes in memory (--writable-tmpfs), and its trial says so."""
+    site("allow container dir", "no")
+
+    async def main() -> str:
+        env = environment(debian_sif, tmp_path / "env")
+        await env.start(force_build=False)
+        try:
+            made = await env.exec("echo 42 > /root/answer && id -u && cat /root/answer")
+            return made.stdout or ""
+        finally:
+            await env.stop(delete=True)
+
+    assert asyncio.run(main()) == "0\n42\n"
+    assert WRITABLE_TMPFS in read_limits(tmp_path / "env" / "trial")
+
+
+def test_overlays_off_refuse_to_start_naming_the_setting(
+    site: Policy, debian_sif: Path, tmp_path: Path
+) -> None:
+    site("enable overlay", "no")
+    env = environment(debian_sif, tmp_path / "env")
+    with pytest.raises(
+        ContainerStartFailed, match=r"enable overlay = no\).*`enable overlay = yes`"
+    ):
+        asyncio.run(env.start(force_build=False))
+
+
+def test_extra_bind_paths_stay_out_of_the_container(
+    site: Policy, debian_sif: Path, tmp_path: Path
+) -> None:
+    """A site's `bind path` is the host's, which Docker would not show a task (Harbor's
+    default, `--no-mount bind-paths`)."""
+    shown = tmp_path / "site-data"
+    shown.mkdir()
+    site("bind path", str(shown))
+
+    async def main() -> str:
+        env = environment(debian_sif, tmp_path / "env")
+        await env.start(force_build=False)
+        try:
+            return (await env.exec(f"ls -d {shown} 2>&1 || echo absent")).stdout or ""
+        finally:
+            await env.stop(delete=True)
+
+    assert asyncio.run(main()).endswith("absent\n")
+
+
+def test_limited_container_paths_say_where_images_must_be(
+    site: Policy, debian_sif: Path, tmp_path: Path
+) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    site("limit container paths", str(allowed))
+    env = environment(debian_sif, tmp_path / "env")
+    with pytest.raises(ContainerStartFailed, match="limit container paths"):
+        asyncio.run(env.start(force_build=False))
