@@ -329,6 +329,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"namespace, and this node gives none: {problem}; {NETNS_HINT}, or run the task "
                 "where `harbor-hpc doctor` says `network policies: ok`"
             )
+        if policy.network_mode == NetworkMode.ALLOWLIST:
+            problem = egress_problem()
+            if problem is not None:
+                raise UnsupportedTask(
+                    f"task {self.environment_name} asks for an allowlist of hosts, which this "
+                    f"node cannot enforce: {problem}; run the task where `harbor-hpc doctor` "
+                    "says `network policies: ok`"
+                )
         super().validate_network_policy_support(network_policy)
 
     @classmethod

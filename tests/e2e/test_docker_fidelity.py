@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,12 @@ from harbor_hpc.apptainer.errors import (
     UnsupportedTask,
 )
 from harbor_hpc.apptainer.limits import ONE_ID, read_limits
-from harbor_hpc.apptainer.network import netns_problem
-from harbor_hpc.apptainer.probes import missing_subid_ranges
+from harbor_hpc.apptainer.network import egress_problem, netns_problem, own_network_problem
+from harbor_hpc.apptainer.probes import (
+    missing_subid_ranges,
+    network_finding,
+    network_policy_finding,
+)
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import FETCH_ANSWER, answer_service
 
@@ -250,6 +254,76 @@ def test_each_container_has_a_network_of_its_own(
     assert "unreachable" in seen["closed out"], seen["closed out"]
     assert seen["closed interfaces"] == "lo\n"
     assert seen["closed names"] == f"127.0.0.1\n{seen['hostname']}\n"
+
+
+@pytest.fixture
+def path_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[str], None]]:
+    """`path_without(tool)`: PATH from here on holds every program it held but `tool`, as on
+    nodes without it installed (a folder of links to the rest)."""
+
+    def forget() -> None:
+        for probe in (netns_problem, own_network_problem, egress_problem):
+            probe.cache_clear()
+
+    def hide(tool: str) -> None:
+        links = tmp_path / "bin"
+        links.mkdir()
+        for folder in os.environ["PATH"].split(os.pathsep):
+            for program in sorted(Path(folder).glob("*")) if Path(folder).is_dir() else []:
+                if program.name != tool and not (links / program.name).exists():
+                    (links / program.name).symlink_to(program)
+        monkeypatch.setenv("PATH", str(links))
+        forget()
+
+    yield hide
+    monkeypatch.undo()
+    forget()
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
+def test_without_slirp4netns_a_container_shares_the_nodes_network_and_says_so(
+    fidelity_sif: Path,
+    tmp_path: Path,
+    host_listener: tuple[str, int],
+    path_without: Callable[[str], None],
+) -> None:
+    path_without("slirp4netns")
+    assert "slirp4netns is not on PATH" in network_finding().detail
+    closed = NetworkPolicy(network_mode=NetworkMode.NO_NETWORK)
+
+    async def main() -> tuple[str, str]:
+        async with started(fidelity_sif, tmp_path / "open") as shared:
+            out = await run(shared, connect_command(*host_listener))
+        async with started(fidelity_sif, tmp_path / "closed", network_policy=closed) as offline:
+            interfaces = await run(offline, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+        return out, interfaces
+
+    assert asyncio.run(main()) == ("connected\n", "lo\n")  # no network needs no slirp4netns
+    limits = read_limits(tmp_path / "open" / "trial")
+    assert any("slirp4netns is not on PATH" in limit for limit in limits), limits
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
+def test_without_nft_an_allowlist_is_refused_naming_why(
+    fidelity_sif: Path, tmp_path: Path, path_without: Callable[[str], None]
+) -> None:
+    path_without("nft")
+    assert "nft is not on PATH" in network_policy_finding().detail
+    allowlist = NetworkPolicy(network_mode=NetworkMode.ALLOWLIST, allowed_hosts=["example.org"])
+    with pytest.raises(UnsupportedTask, match=r"allowlist of hosts.*nft is not on PATH"):
+        make_environment(fidelity_sif, tmp_path / "listed", network_policy=allowlist)
+
+    async def main() -> str:
+        async with started(fidelity_sif, tmp_path / "open") as own:
+            return await run(own, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | sort")
+
+    assert asyncio.run(main()) == "lo\ntap0\n"  # a network of its own needs no nft
 
 
 @pytest.mark.apptainer
