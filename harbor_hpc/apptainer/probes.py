@@ -631,12 +631,17 @@ def fakeroot_build_finding(binary: str, cache_dir: Path, scratch: Path) -> Findi
     )
 
 
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest folder above it that exists (where it would be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def scratch_finding(folder: Path) -> Finding:
     """The space builds unpack whole images into: local, writable, and roomy."""
     fix = "pass --scratch-dir DIR (or set APPTAINER_TMPDIR) to a local disk with room"
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(folder)
     if not os.access(existing, os.W_OK | os.X_OK):
         return Finding("scratch space", Status.MISSING, f"{folder} is not writable", fix)
     free = shutil.disk_usage(existing).free
@@ -677,9 +682,7 @@ def trial_scratch_finding() -> Finding:
     scratch_dir, else $TMPDIR or /tmp; on a disk, not in memory."""
     configured = load_config().values.get("scratch_dir")
     folder = Path(configured) if configured else Path(tempfile.gettempdir())
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(folder)
     free = shutil.disk_usage(existing).free / 2**30
     kind = filesystem_type(existing)
     if kind == "tmpfs":
@@ -696,9 +699,7 @@ def trial_scratch_finding() -> Finding:
 def store_finding(cache_dir: Path) -> Finding:
     """Whether the .sif store can be (or is) a writable folder with room for images."""
     fix = "pass --cache-dir DIR, set cache_dir in harbor-hpc.toml, or export HARBOR_HPC_CACHE"
-    existing = cache_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = _nearest_existing(cache_dir)
     if not existing.is_dir():
         return Finding("folder", Status.WARN, f"{existing} is not a folder", fix)
     if not os.access(existing, os.W_OK | os.X_OK):
