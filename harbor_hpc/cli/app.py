@@ -110,6 +110,15 @@ SbatchArgOption = Annotated[
         help="Extra sbatch option, e.g. constraint=a100; repeatable.",
     ),
 ]
+SetupOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--setup",
+        metavar="LINE",
+        help="A shell line every Slurm job runs first, e.g. 'module load apptainer'; "
+        "repeatable, after those of the config. [config: setup]",
+    ),
+]
 NoHttpsOption = Annotated[
     bool,
     typer.Option(
@@ -134,9 +143,11 @@ def placement(
     qos: str | None,
     time_min: int | None,
     sbatch_args: list[str] | None,
+    setup_lines: list[str] | None,
 ) -> SlurmPlacement:
     """The Slurm placement the shared options gave (`--partition`, `--account`, `--qos`, the
-    step's `--time`, `--sbatch-arg`), harbor-hpc.toml filling in what they leave out."""
+    step's `--time`, `--sbatch-arg`, `--setup`), harbor-hpc.toml filling in what they leave
+    out."""
     from harbor_hpc.slurm.cluster import SlurmPlacement
 
     return configured(
@@ -147,6 +158,7 @@ def placement(
         qos=qos,
         time_min=time_min,
         sbatch_args=tuple(sbatch_args or ()),
+        setup=setup_lines,
     )
 
 

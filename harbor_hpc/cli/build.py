@@ -22,6 +22,7 @@ from harbor_hpc.cli.app import (
     PartitionOption,
     QosOption,
     SbatchArgOption,
+    SetupOption,
     TasksArgument,
     VerboseOption,
     app,
@@ -122,6 +123,7 @@ def build(
     account: AccountOption = None,
     qos: QosOption = None,
     sbatch_arg: SbatchArgOption = None,
+    setup_line: SetupOption = None,
     time_min: Annotated[
         int | None,
         typer.Option("--time", min=1, help="Minutes per context (Slurm time limit). [default: 60]"),
@@ -151,7 +153,9 @@ def build(
         nohttps=nohttps or None,
         jobs=jobs,
         build_args=build_arg,
-        slurm=placement(config, partition, account, qos, time_min, sbatch_arg) if slurm else None,
+        slurm=placement(config, partition, account, qos, time_min, sbatch_arg, setup_line)
+        if slurm
+        else None,
         mem_mb=mem_mb,
     )
     chosen, why = step.choose(request)

@@ -18,6 +18,7 @@ from harbor_hpc.cli.app import (
     PartitionOption,
     QosOption,
     SbatchArgOption,
+    SetupOption,
     VerboseOption,
     app,
     console,
@@ -73,6 +74,7 @@ def convert(
     account: AccountOption = None,
     qos: QosOption = None,
     sbatch_arg: SbatchArgOption = None,
+    setup_line: SetupOption = None,
     time_min: Annotated[
         int | None,
         typer.Option("--time", min=1, help="Minutes per image (Slurm time limit). [default: 60]"),
@@ -114,7 +116,9 @@ def convert(
         force=force,
         verify=verify,
         jobs=jobs,
-        slurm=placement(config, partition, account, qos, time_min, sbatch_arg) if slurm else None,
+        slurm=placement(config, partition, account, qos, time_min, sbatch_arg, setup_line)
+        if slurm
+        else None,
         mem_mb=mem_mb,
         dry_run=dry_run,
     )

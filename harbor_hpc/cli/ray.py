@@ -15,6 +15,7 @@ from harbor_hpc.cli.app import (
     PartitionOption,
     QosOption,
     SbatchArgOption,
+    SetupOption,
     VerboseOption,
     app,
     info,
@@ -98,6 +99,7 @@ def up(
     account: AccountOption = None,
     qos: QosOption = None,
     sbatch_arg: SbatchArgOption = None,
+    setup_line: SetupOption = None,
     wait_timeout: Annotated[
         float | None,
         typer.Option(
@@ -129,7 +131,7 @@ def up(
     config = setup(verbose)
     options = cluster.UpOptions(
         nodes=nodes,
-        placement=placement(config, partition, account, qos, time_min, sbatch_arg),
+        placement=placement(config, partition, account, qos, time_min, sbatch_arg, setup_line),
         cpus_per_node=cpus_per_node,
         ray_nodes_per_node=ray_nodes_per_node,
         labels=labels,

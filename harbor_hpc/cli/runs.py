@@ -26,6 +26,7 @@ from harbor_hpc.cli.app import (
     PartitionOption,
     QosOption,
     SbatchArgOption,
+    SetupOption,
     VerboseOption,
     app,
     console,
@@ -168,6 +169,7 @@ def submit(
         typer.Option("--cpus", min=1, help="CPUs per element. [default: from the tasks' cpus]"),
     ] = None,
     sbatch_arg: SbatchArgOption = None,
+    setup_line: SetupOption = None,
     group_readable: Annotated[
         bool,
         typer.Option(
@@ -225,6 +227,7 @@ def submit(
         mem_mb=mem_mb,
         cpus=cpus,
         sbatch_args=sbatch_arg,
+        setup=setup_line,
         group_readable=group_readable,
         model_check=not no_model_check,
     )
@@ -408,7 +411,8 @@ def _show_status(found: RunStatus, *, verbose: bool) -> None:
             stdout.print(Padding(message, (0, 0, 0, 2), expand=False), soft_wrap=False)
     limited = Counter(limit for s in found.attempts for limit in s.limits)
     for limit, count in limited.items():  # the node's, not the task's: once per kind
-        stdout.print(Text(f"{count} attempt(s) ran weaker than in Docker: {limit}", style="yellow"))
+        said = Text(f"{count} attempt(s) ran weaker than in Docker: {limit}", style="yellow")
+        stdout.print(said, soft_wrap=False)  # wrapped at the terminal's width
     stdout.print(_summary_line(found.summary), soft_wrap=False, highlight=False)
 
 

@@ -44,6 +44,8 @@ KNOWN_KEYS: dict[str, type] = {
     # How .sif images are compressed: "zstd" (where the converting node can) or "gzip", which
     # every Apptainer reads (for nodes whose Apptainer is older than 1.4).
     "sif_compression": str,
+    # `setup = ["module load apptainer"]`: shell lines every Slurm job of ours runs first.
+    "setup": list,
 }
 # The keys whose values are paths (`~` expanded).
 PATH_KEYS = frozenset({"manifest", "cache_dir", "wheels_dir", "run_dir", "scratch_dir"})

@@ -190,6 +190,8 @@ def job_script(cluster_dir: Path, options: UpOptions) -> str:
     node = [sys.executable, "-m", "harbor_hpc.ray.node", str(cluster_dir)]
     node += ["--join", options.join] if options.join else []
     node += ["--labels", options.labels] if options.labels else []
+    # The site's lines first, as they are written (a `module` function may trip `set -u`).
+    lines += options.placement.setup
     lines += [
         "set -euo pipefail",
         "umask 077",

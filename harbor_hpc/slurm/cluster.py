@@ -329,8 +329,14 @@ class SlurmPlacement:
     time_min: int | None = None
     # Further sbatch options as typed: `constraint=a100`, `--exclusive`.
     sbatch_args: tuple[str, ...] = ()
+    # Shell lines every batch script of ours runs first, in order (`module load apptainer`).
+    setup: tuple[str, ...] = ()
     # What harbor-hpc.toml may set (`core.config.configured`); its time_min sizes trials only.
-    CONFIGURED: ClassVar[tuple[str, ...]] = ("partition", "account", "qos")
+    CONFIGURED: ClassVar[tuple[str, ...]] = ("partition", "account", "qos", "setup")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sbatch_args", tuple(self.sbatch_args))
+        object.__setattr__(self, "setup", tuple(self.setup))
 
     def sbatch(self) -> dict[str, Any]:
         """`sbatch_args` as submitit takes them (`constraint="a100"`, `exclusive=True`)."""
@@ -360,6 +366,7 @@ class SlurmPlacement:
             "qos": self.qos,
             "time_min": self.time_min,
             "sbatch_args": list(self.sbatch_args),
+            "setup": list(self.setup),
         }
 
 
@@ -461,6 +468,8 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
         "array_parallelism": request.array_parallelism,
     }
     parameters.update({key: value for key, value in optional.items() if value})
+    if request.placement.setup:
+        parameters["setup"] = list(request.placement.setup)
     if request.gpus:
         # GRES is what every Slurm with GPUs takes; a gres of the user's (--sbatch-arg) wins.
         kind = f"{request.gpu_type}:" if request.gpu_type else ""

@@ -105,6 +105,8 @@ class RolloutRequest:
     account: str | None = None
     qos: str | None = None
     time_min: int | None = None
+    # Shell lines every Slurm job of the batch runs first (`module load apptainer`).
+    setup: list[str] | None = None
     format: ExportFormat | str = ExportFormat.FULL
     # Seconds from the submission after which what has not finished is cancelled.
     deadline_s: float | None = None
@@ -231,6 +233,7 @@ def follow_rollouts(
             account=request.account,
             qos=request.qos,
             time_min=request.time_min,
+            setup=request.setup,
             attempts=request.attempts,
             concurrency=request.concurrency,
             model_check=request.model_check,

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from harbor_hpc.apptainer.limits import ONE_ID, write_limits
 from harbor_hpc.cli.app import info, warn
-from harbor_hpc.results.record import Marker, RunRecord, create_run, write_marker
+from harbor_hpc.results.record import Marker, RunPaths, RunRecord, create_run, write_marker
 from tests.support.cli import cli
 from tests.support.probe_agent import AGENT
 from tests.support.sample_tasks import make_task
@@ -65,11 +66,17 @@ def test_status_shows_names_and_messages_as_text(tmp_path: Path) -> None:
 
 def test_status_reads_at_80_columns(tmp_path: Path) -> None:
     # The message column wrapped to ~30 lines per row at 80 columns.
-    tasks = ["skill_based/mixed/scientific_computing/solve-the-heat-equation", "b"]
+    tasks = ["skill_based/mixed/scientific_computing/solve-the-heat-equation", "b", "c"]
     run_dir = tmp_path / "run"
     create_run(run_dir, RunRecord(str(tmp_path), tasks, "oracle", None, {}, "x:Y", {}, {}))
     message = "cannot start: " + "the image says no " * 8
     write_marker(run_dir, Marker("t__a0-1", tasks[0], 0, 1, None, "h", 1, "now", "E", message))
+    # A trial that ended with its container weaker than Docker's: the long limit is wrapped.
+    write_marker(run_dir, Marker("c__a0-1", "c", 0, 1, None, "h", 1, "now"))
+    trial = RunPaths(run_dir).trial("c__a0-1")
+    trial.mkdir(parents=True)
+    (trial / "result.json").write_text('{"verifier_result": {"rewards": {"reward": 1}}}')
+    write_limits(trial, [ONE_ID])
 
     def status(*args: str) -> str:
         env = {**os.environ, "COLUMNS": "80"}
@@ -84,9 +91,11 @@ def test_status_reads_at_80_columns(tmp_path: Path) -> None:
     assert why.startswith("  E: cannot start: the image says no") and why.endswith("…")
     assert lines[lines.index("b #0") + 1] == "  never submitted"
     assert sum("environment" in line for line in lines) == 2  # the class, and the counts
+    assert "1 attempt(s) ran weaker than in Docker: one id in the container" in " ".join(lines)
     verbose = status("-v")
     assert " ".join(message.split()) in " ".join(verbose.split()) and "t__a0-1" in verbose
-    [first, second] = json.loads(status("--json"))
+    [first, second, third] = json.loads(status("--json"))
+    assert (third["state"], third["reward"], third["limits"]) == ("done", 1.0, [ONE_ID])
     assert first == {
         "task": tasks[0],
         "attempt": 0,
@@ -95,6 +104,7 @@ def test_status_reads_at_80_columns(tmp_path: Path) -> None:
         "reward": None,
         "failure": "environment",
         "message": "E: " + " ".join(message.split()),
+        "limits": [],
     }
     assert second["message"] == "never submitted"
 

@@ -68,10 +68,13 @@ def cluster_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def started(cluster_dir: Path) -> Iterator[tuple[dict[str, Any], subprocess.CompletedProcess[str]]]:
+    # A site's lines, as a `module` function and its call (each job of ours runs them first).
+    mark = cluster_dir.parent / "setup-ran"
     up = cli(
         "ray", "up", "--nodes", "1", "--ray-nodes-per-node", "2", "--cpus-per-node", "1",
-        "--time", "10",
-        "--cluster-dir", str(cluster_dir), "--json",
+        "--time", "10", "--cluster-dir", str(cluster_dir), "--json",
+        "--setup", f'site_module() {{ echo "loaded $* in $SLURM_JOB_ID" >> {mark}; }}',
+        "--setup", "site_module apptainer",
     )  # fmt: skip
     yield json_of(up), up
     if (cluster_dir / "cluster.json").exists():
@@ -108,6 +111,13 @@ def test_up_prints_the_address_and_keeps_the_token_private(
             assert token.encode() not in cmdline.read_bytes(), cmdline
         except OSError:
             continue  # a process that ended, or another user's
+
+
+def test_the_job_ran_the_sites_setup_lines_first(
+    started: tuple[dict[str, Any], subprocess.CompletedProcess[str]], cluster_dir: Path
+) -> None:
+    up, _ = started
+    assert (cluster_dir.parent / "setup-ran").read_text() == f"loaded apptainer in {up['job_id']}\n"
 
 
 def test_status_shows_the_node_and_its_free_resources(

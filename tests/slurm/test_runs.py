@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import stat
@@ -186,6 +187,27 @@ def test_a_secret_reaches_the_agent_and_no_file(debian_sif: Path, tmp_path: Path
     files = [path for path in (tmp_path / "run").rglob("*") if path.is_file()]
     assert [path for path in files if b"s3cr3t" in path.read_bytes()] == []
     assert load_run(tmp_path / "run").agent_env == ["HH_TEST_SECRET"]
+
+
+def test_every_element_runs_the_sites_setup_lines_first(debian_sif: Path, tmp_path: Path) -> None:
+    """`setup` lines from harbor-hpc.toml, then `--setup` ones: a `module`-like function one
+    line defines, called by the next, in every array element; the run records them for resubmit."""
+    mark = tmp_path / "setup-ran"
+    config = tmp_path / "harbor-hpc.toml"
+    line = f'site_module() {{ echo "loaded $* in $SLURM_ARRAY_TASK_ID" >> {mark}; }}'
+    config.write_text(f"setup = [{json.dumps(line)}]\n")
+    env = {**os.environ, "HARBOR_HPC_CONFIG": str(config)}
+    for name in ("one", "two"):
+        make_task(tmp_path / "tasks", name, image=str(debian_sif))
+    run_dir = tmp_path / "run"
+    cli("submit", str(tmp_path / "tasks"), "--agent", "oracle", "--run-dir", str(run_dir),
+        "--executor", "slurm", "--tasks-per-job", "1", "--setup", "site_module apptainer",
+        "--wait", env=env)  # fmt: skip
+    assert sorted(mark.read_text().splitlines()) == [
+        "loaded apptainer in 0",
+        "loaded apptainer in 1",
+    ]
+    assert load_run(run_dir).options["setup"] == [line, "site_module apptainer"]
 
 
 def test_tasks_asking_for_different_memory_run_in_arrays_sized_for_each(

@@ -76,6 +76,7 @@ class SubmitOptions:
             "mem_mb": self.mem_mb,
             "cpus": self.cpus,
             "sbatch_args": placement["sbatch_args"],
+            "setup": placement["setup"],
             "group_readable": self.group_readable,
         }
 
@@ -89,6 +90,7 @@ def configured_options(
     qos: str | None = None,
     time_min: int | None = None,
     sbatch_args: list[str] | None = None,
+    setup: list[str] | None = None,
     **given: Any,
 ) -> SubmitOptions:
     """The run's options from what the CLI's flags or the Python API gave (None: not given),
@@ -103,6 +105,7 @@ def configured_options(
         qos=qos,
         time_min=time_min,
         sbatch_args=tuple(sbatch_args or ()),
+        setup=setup,
     )
     return configured(SubmitOptions, config, placement=placement, **given)
 
@@ -115,6 +118,7 @@ def recorded_placement(options: dict[str, Any]) -> SlurmPlacement:
         options.get("qos"),
         options.get("time_min"),
         tuple(options.get("sbatch_args") or ()),
+        tuple(options.get("setup") or ()),
     )
 
 
