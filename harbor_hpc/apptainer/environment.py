@@ -33,13 +33,14 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, override
+from typing import Any, ClassVar, override
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
+from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
@@ -54,7 +55,7 @@ from harbor_hpc.apptainer.container import (
     launcher,
 )
 from harbor_hpc.apptainer.egress import Egress
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, flag
+from harbor_hpc.apptainer.environment_kwargs import SingularityOptions, accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
     ImageUnavailable,
@@ -111,6 +112,8 @@ BASE_KWARGS = frozenset(
     for name in inspect.signature(BaseEnvironment.__init__).parameters
     if name not in {"self", "args", "kwargs"}
 ) | {"suppress_override_warnings"}
+# Our typed options (Harbor's base takes auto_mounting among them).
+SINGULARITY_OPTIONS = frozenset(SingularityOptions.model_fields)
 
 
 @functools.cache
@@ -198,30 +201,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     """Runs a task in an Apptainer container from a .sif or a registry reference, and a
     compose task's services beside it as one pod (pod.py).
 
-    Kwargs (`--environment-kwarg k=v`):
-        singularity_image_cache_dir: where registry references are converted to .sif
-            (the store `harbor-hpc convert` fills; default `$HARBOR_HPC_CACHE` or
-            ~/.cache/harbor-hpc/sif).
-        singularity_force_pull: convert again even when the .sif is cached.
-        singularity_no_mount: comma-separated Apptainer mounts to leave out
-            (default "home,tmp,bind-paths"; "" keeps them all).
-        workdir: the container's working directory (default: the task's workdir, else
-            the image's WORKDIR, else /).
-        fakeroot: root inside the container, as in Docker (default on); off runs the
-            task as the submitting user, without root.
-        nohttps: reach the registry over plain HTTP when converting.
-        memory_watchdog: kill the container above the task's memory (default on).
-        memory_kill_fraction: the share of `memory_mb` at which it kills (0.95).
-        memory_poll_interval_sec: how often it looks whether the tree may have grown
-            (0.05; see harbor_hpc/apptainer/watchdog.py).
-        scratch_dir: where the private per-trial folder goes (staging and the writable
-            overlay; default: $TMPDIR, which Slurm sites point at node-local scratch).
-        extra_hosts: `name:address,...` lines for the container's /etc/hosts, as
-            `docker run --add-host` (a network allowlist resolves these names so too).
-        unpacked_roots: GiB of images to keep unpacked in the scratch folder, from which
-            task containers start some four times as fast as from their .sif (0, the default:
-            none; fakeroot containers only; see harbor_hpc/apptainer/roots.py).
+    Kwargs (`--environment-kwarg k=v`): `SingularityOptions`, Harbor's typed options
+    (`harbor environment schema harbor_hpc.environment:SingularityEnvironment`).
     """
+
+    options_model: ClassVar[type[EnvironmentOptions] | None] = SingularityOptions
 
     def __init__(
         self,
@@ -231,50 +215,35 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         trial_paths: TrialPaths,
         task_env_config: EnvironmentConfig,
         logger: logging.Logger | None = None,
-        singularity_image_cache_dir: Path | str | None = None,
-        singularity_force_pull: bool | str = False,
-        singularity_no_mount: str | None = None,
-        workdir: str | None = None,
-        fakeroot: bool | str = True,
-        nohttps: bool | str | None = None,
-        memory_watchdog: bool | str = True,
-        memory_kill_fraction: float = 0.95,
-        memory_poll_interval_sec: float = 0.05,
-        scratch_dir: Path | str | None = None,
-        extra_hosts: str | None = None,
-        unpacked_roots: float | str = 0,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - BASE_KWARGS)
-        if unknown:
+        # Harbor's own arguments go to its base; the rest are our options, typed.
+        harbors = {k: v for k, v in kwargs.items() if k in BASE_KWARGS - SINGULARITY_OPTIONS}
+        try:
+            self.options = self.parse_options({k: v for k, v in kwargs.items() if k not in harbors})
+        except ValueError as exc:
             raise ContainerStartFailed(
-                f"unknown environment kwargs: {', '.join(unknown)}; accepted: "
-                + ", ".join(accepted_environment_kwargs(SingularityEnvironment))
-            )
-        self._cache_dir = (
-            Path(singularity_image_cache_dir).expanduser() if singularity_image_cache_dir else None
-        )
-        self._force_pull = flag(singularity_force_pull)
-        self._no_mount = DEFAULT_NO_MOUNT if singularity_no_mount is None else singularity_no_mount
-        self._workdir_kwarg = workdir
-        self._fakeroot = flag(fakeroot)
-        self._nohttps = None if nohttps is None else flag(nohttps)
-        self._watchdog_enabled = flag(memory_watchdog)
-        self._kill_fraction = float(memory_kill_fraction)
-        if not 0 < self._kill_fraction <= 1:
-            raise ValueError(
-                f"memory_kill_fraction must be above 0 and at most 1, not {memory_kill_fraction}"
-            )
-        self._poll_interval = float(memory_poll_interval_sec)
-        self._scratch_root = Path(scratch_dir).expanduser() if scratch_dir else None
-        self._extra_hosts = parse_extra_hosts(extra_hosts)
-        roots_gib = float(unpacked_roots)
-        if roots_gib < 0:
-            raise ValueError(f"unpacked_roots is GiB to keep, 0 or more, not {unpacked_roots}")
+                f"{exc}\naccepted: {', '.join(accepted_environment_kwargs(type(self)))}"
+            ) from None
+        options = self.options
+        assert isinstance(options, SingularityOptions)
+        cache = options.singularity_image_cache_dir
+        self._cache_dir = cache.expanduser() if cache else None
+        self._force_pull = options.singularity_force_pull
+        no_mount = options.singularity_no_mount
+        self._no_mount = DEFAULT_NO_MOUNT if no_mount is None else no_mount
+        self._workdir_kwarg = options.workdir
+        self._fakeroot = options.fakeroot
+        self._nohttps = options.nohttps
+        self._watchdog_enabled = options.memory_watchdog
+        self._kill_fraction = options.memory_kill_fraction
+        self._poll_interval = options.memory_poll_interval_sec
+        self._scratch_root = options.scratch_dir.expanduser() if options.scratch_dir else None
+        self._extra_hosts = parse_extra_hosts(options.extra_hosts)
         # Only fakeroot containers see the owners an unpacked root keeps (roots.py).
         self._roots = (
-            UnpackedRoots.on_node(self._scratch_root, roots_gib)
-            if roots_gib > 0 and self._fakeroot
+            UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
+            if options.unpacked_roots > 0 and self._fakeroot
             else None
         )
         self._root_lease: Lease | None = None
@@ -285,7 +254,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             trial_paths=trial_paths,
             task_env_config=task_env_config,
             logger=logger,
-            **kwargs,
+            **harbors,
         )
         self.workdir = self._workdir_kwarg or self.task_env_config.workdir or DEFAULT_WORKDIR
         self.sif_path: Path | None = None

@@ -34,15 +34,17 @@ from harbor.environments.capabilities import (
     EnvironmentCapabilities,
     EnvironmentResourceCapabilities,
 )
+from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
+from pydantic import Field
 
 from harbor_hpc.apptainer.environment import (
     BASE_KWARGS,
     SingularityEnvironment,
     environment_capabilities,
 )
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.apptainer.environment_kwargs import SingularityOptions, accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
 from harbor_hpc.ray.connect import cluster_problem, connect
@@ -152,23 +154,50 @@ def _forget_host(node_id: str) -> None:
         _hosts.pop(node_id, None)
 
 
+class RayOptions(SingularityOptions):
+    """The kwargs of `RaySingularityEnvironment`: those of `SingularityEnvironment`, which
+    its container's node takes, and where on the Ray cluster that container goes."""
+
+    ray_address: str | None = Field(
+        None,
+        description="The cluster's address (default: the cluster `harbor-hpc ray up` started, "
+        "else $RAY_ADDRESS; a process that already joined one keeps it).",
+    )
+    ray_cluster_dir: Path | None = Field(
+        None, description="The folder of the `ray up` cluster (default: ray up's)."
+    )
+    ray_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="The CPUs Ray reserves for the environment (default: the task's cpus); "
+        "fewer packs more idle environments per node.",
+    )
+    ray_labels: str | None = Field(
+        None,
+        description="Node labels the environment's node must have, `key=value,...` in Ray's "
+        "label-selector syntax (`role=env`, `accel=!gpu`).",
+    )
+    ray_placement_timeout_sec: float = Field(
+        600.0, gt=0, description="How long to wait for a node with room."
+    )
+
+    @classmethod
+    def ray_fields(cls) -> frozenset[str]:
+        """Those this class adds: the driver's alone, not the container's node's."""
+        return frozenset(cls.model_fields) - frozenset(SingularityOptions.model_fields)
+
+
+RAY_OPTIONS = frozenset(RayOptions.model_fields)
+
+
 class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor ships no types
     """Runs a task's container on a node of a Ray cluster, in `SingularityEnvironment`.
 
-    Kwargs (`--environment-kwarg k=v`), with every kwarg of `SingularityEnvironment`:
-        ray_address: the cluster's address (default: the cluster `harbor-hpc ray up`
-            started, else $RAY_ADDRESS; a process that already joined one keeps it).
-        ray_cluster_dir: the folder of the `ray up` cluster (default: ray up's).
-        ray_cpus: the CPUs Ray reserves for the environment (default: the task's cpus);
-            fewer than the task's packs more idle environments per node.
-        ray_labels: node labels the environment's node must have, `key=value,...` in
-            Ray's label-selector syntax (`role=env`, `accel=!gpu`), so CPU nodes serve
-            environments and GPU nodes do not.
-        ray_placement_timeout_sec: how long to wait for a node with room (600).
+    Kwargs (`--environment-kwarg k=v`): `RayOptions`, every one of `SingularityEnvironment`
+    and where on the Ray cluster its container goes.
     """
 
-    # `accepted_environment_kwargs` lists this class's and these.
-    kwargs_forwarded_to: ClassVar[type] = SingularityEnvironment
+    options_model: ClassVar[type[EnvironmentOptions] | None] = RayOptions
 
     def __init__(
         self,
@@ -178,25 +207,25 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         trial_paths: TrialPaths,
         task_env_config: EnvironmentConfig,
         logger: logging.Logger | None = None,
-        ray_address: str | None = None,
-        ray_cluster_dir: Path | str | None = None,
-        ray_cpus: float | str | None = None,
-        ray_labels: str | None = None,
-        ray_placement_timeout_sec: float | str = 600.0,
         **kwargs: Any,
     ) -> None:
-        known = set(accepted_environment_kwargs(SingularityEnvironment)) | BASE_KWARGS
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
+        harbors = {k: v for k, v in kwargs.items() if k in BASE_KWARGS - RAY_OPTIONS}
+        try:
+            self.options = self.parse_options({k: v for k, v in kwargs.items() if k not in harbors})
+        except ValueError as exc:
             raise ContainerStartFailed(
-                f"unknown environment kwargs: {', '.join(unknown)}; accepted: "
-                + ", ".join(accepted_environment_kwargs(RaySingularityEnvironment))
-            )
-        self._ray_address = ray_address
-        self._cluster_dir = Path(ray_cluster_dir).expanduser() if ray_cluster_dir else None
-        self._ray_cpus = float(ray_cpus) if ray_cpus is not None else None
-        self._ray_labels = _labels(ray_labels)
-        self._placement_timeout = float(ray_placement_timeout_sec)
+                f"{exc}\naccepted: {', '.join(accepted_environment_kwargs(type(self)))}"
+            ) from None
+        options = self.options
+        assert isinstance(options, RayOptions)
+        self._ray_address = options.ray_address
+        self._cluster_dir = (
+            options.ray_cluster_dir.expanduser() if options.ray_cluster_dir else None
+        )
+        self._ray_cpus = options.ray_cpus
+        self._ray_labels = _labels(options.ray_labels)
+        self._placement_timeout = options.ray_placement_timeout_sec
+        kwargs = {k: v for k, v in kwargs.items() if k not in RayOptions.ray_fields()}
         # The host's environment takes the user's kwargs and Harbor's; this one only Harbor's
         # (the setup script's exports live with the container, so the persistent env does).
         self._forwarded = {key: value for key, value in kwargs.items() if key not in _DRIVER_ONLY}

@@ -16,6 +16,7 @@ from harbor.environments.base import BaseEnvironment
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.core.imports import import_class
 from harbor_hpc.steps.submit.checks import image_problem, reference_check
 from harbor_hpc.tasks.discovery import Task, load_task
 from tests.support.images import TinyImage
@@ -69,6 +70,31 @@ def test_accepted_kwargs_come_from_the_init_signatures_up_to_harbors_base() -> N
     assert "kwargs" not in accepted and "args" not in accepted and "self" not in accepted
     assert accepted_environment_kwargs(ScratchEnvironment) == sorted([*accepted, "flavour"])
     assert set(accepted_environment_kwargs(BaseEnvironment)) < set(accepted)
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [
+        "harbor_hpc.environment:SingularityEnvironment",
+        "harbor_hpc.environment:RaySingularityEnvironment",
+    ],
+)
+def test_harbor_lists_our_typed_options_and_refuses_a_misspelt_one(environment: str) -> None:
+    """`harbor environment schema` shows every kwarg we take (the same list our checks use),
+    and Harbor's own parsing refuses one we do not."""
+    harbor = Path(sys.executable).parent / "harbor"
+    shown = subprocess.run(
+        [str(harbor), "environment", "schema", environment, "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    listed = set(json.loads(shown.stdout)["properties"])
+    cls: Any = import_class("-e", environment)
+    assert listed - {"suppress_override_warnings"} <= set(accepted_environment_kwargs(cls))
+    assert {"fakeroot", "scratch_dir", "unpacked_roots"} <= listed
+    assert ("ray_cpus" in listed) == environment.endswith("RaySingularityEnvironment")
+    with pytest.raises(ValueError, match="Unknown option 'fakerot'"):
+        cls.parse_options({"fakerot": True})
+    assert cls.parse_options({"fakeroot": "false", "unpacked_roots": "2"}).fakeroot is False
 
 
 def test_an_unknown_environment_kwarg_is_refused_in_one_line(tmp_path: Path) -> None:
