@@ -55,7 +55,7 @@ from harbor_hpc.apptainer.container import (
     launcher,
 )
 from harbor_hpc.apptainer.egress import Egress
-from harbor_hpc.apptainer.environment_kwargs import SingularityOptions, accepted_environment_kwargs
+from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import (
     ContainerStartFailed,
     ImageUnavailable,
@@ -82,6 +82,7 @@ from harbor_hpc.apptainer.network import (
     network_hint,
     own_network_problem,
 )
+from harbor_hpc.apptainer.options import SingularityOptions
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
 from harbor_hpc.apptainer.probes import filesystem_type, install_problem
 from harbor_hpc.apptainer.roots import Lease, UnpackedRoots

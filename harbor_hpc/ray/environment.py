@@ -44,8 +44,9 @@ from harbor_hpc.apptainer.environment import (
     SingularityEnvironment,
     environment_capabilities,
 )
-from harbor_hpc.apptainer.environment_kwargs import SingularityOptions, accepted_environment_kwargs
+from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.apptainer.errors import ContainerStartFailed, EnvironmentHostUnavailable
+from harbor_hpc.apptainer.options import SingularityOptions
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
 from harbor_hpc.ray.connect import cluster_problem, connect
 from harbor_hpc.ray.host import (
