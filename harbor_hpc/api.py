@@ -26,7 +26,12 @@ CLI's) for what a user can cause.
   agent=...))` is `submit`, `resubmit_run(run_dir)` is `resubmit`; `BuildRequest` with
   `harbor_hpc.steps.build.choose/plan/run` is `build`. `SlurmPlacement` is where jobs go.
 - Configuration: `load_config()`, the harbor-hpc.toml the CLI would read here.
+
+Every function here raises errors in Python's words (fields and functions, not flags).
 """
+
+import functools
+from collections.abc import Callable
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.errors import (
@@ -42,22 +47,46 @@ from harbor_hpc.apptainer.errors import (
 from harbor_hpc.core.config import Config, configured, load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.ray.environment import RaySingularityEnvironment
+from harbor_hpc.results import export as _export
 from harbor_hpc.results.classify import AttemptState, FailureClass
-from harbor_hpc.results.export import Export, ExportFormat, rollout_lines
+from harbor_hpc.results.export import Export, ExportFormat
 from harbor_hpc.results.rollout import trial_rollout
 from harbor_hpc.results.status import AttemptStatus, RunStatus
 from harbor_hpc.slurm.cluster import SlurmPlacement
+from harbor_hpc.steps import convert as _convert
+from harbor_hpc.steps import runs as _runs
+from harbor_hpc.steps import submit as _submit
 from harbor_hpc.steps.build import BuildRequest
-from harbor_hpc.steps.convert import ConvertReport, ConvertRequest, convert_images
-from harbor_hpc.steps.rollouts import Progress, RolloutRequest, run_rollouts, stream_rollouts
-from harbor_hpc.steps.runs import cancel_run, export, run_status
-from harbor_hpc.steps.submit import (
-    SubmitOptions,
-    SubmitResult,
-    configured_options,
-    resubmit_run,
-    submit_run,
+from harbor_hpc.steps.convert import ConvertReport, ConvertRequest
+from harbor_hpc.steps.rollouts import (
+    Progress,
+    RolloutRequest,
+    python_words,
+    run_rollouts,
+    stream_rollouts,
 )
+from harbor_hpc.steps.submit import SubmitOptions, SubmitResult, configured_options
+
+
+def _in_python_words[**P, R](function: Callable[P, R]) -> Callable[P, R]:
+    """`function` as a Python caller meets it: its errors name fields and functions, not the
+    command line's flags and commands (the CLI calls the steps themselves)."""
+
+    @functools.wraps(function)
+    def speaking_python(*args: P.args, **kwargs: P.kwargs) -> R:
+        with python_words():
+            return function(*args, **kwargs)
+
+    return speaking_python
+
+
+submit_run = _in_python_words(_submit.submit_run)
+resubmit_run = _in_python_words(_submit.resubmit_run)
+cancel_run = _in_python_words(_runs.cancel_run)
+run_status = _in_python_words(_runs.run_status)
+export = _in_python_words(_runs.export)
+rollout_lines = _in_python_words(_export.rollout_lines)
+convert_images = _in_python_words(_convert.convert_images)
 
 __all__ = [
     "AttemptState",

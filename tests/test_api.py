@@ -125,6 +125,18 @@ def test_errors_raised_to_python_name_fields_and_functions_not_flags() -> None:
     )
 
 
+def test_the_api_functions_speak_python(tmp_path: Path) -> None:
+    """What the CLI shares with the API (resubmit, status, export) names functions there."""
+    for call in (
+        lambda: harbor_hpc.api.resubmit_run(tmp_path / "gone"),
+        lambda: harbor_hpc.api.run_status(tmp_path / "gone"),
+    ):
+        with pytest.raises(InputError, match="no such folder") as raised:
+            call()
+        assert "harbor_hpc.api.run_rollouts" in (raised.value.hint or "")
+        assert "harbor-hpc" not in (raised.value.hint or "")
+
+
 def task_with_an_image(tmp_path: Path, name: str = "answer") -> Path:
     image = tmp_path / "images" / "answer.sif"
     image.parent.mkdir(exist_ok=True)

@@ -451,6 +451,9 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             table = await asyncio.to_thread(placement_group_table, self._group)
             self._node_id = str(table["bundles_to_node_id"][0])
             self._host, self._node = await asyncio.to_thread(_host_on, self._node_id)
+            self.logger.info(
+                "task %s: its container runs on Ray node %s", self.environment_name, self._node
+            )
         except RayError as exc:  # before TimeoutError: Ray's own timeouts are both
             raise EnvironmentHostUnavailable(
                 f"task {self.environment_name}: the Ray cluster did not place it: "

@@ -303,6 +303,7 @@ SETTLE_S = 60.0
 # The CLI's words in messages and hints, and what a caller of this module calls them.
 _COMMANDS = {
     "`harbor-hpc resubmit`": "`harbor_hpc.api.resubmit_run(run_dir)`",
+    "`harbor-hpc submit`": "`harbor_hpc.api.run_rollouts` (or `submit_run`)",
     "`harbor-hpc status`": "`harbor_hpc.api.run_status(run_dir)`",
     "`harbor-hpc doctor`": "`harbor-hpc doctor` (a command)",
 }

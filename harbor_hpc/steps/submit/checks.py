@@ -191,10 +191,10 @@ def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
         try:
             found.preflight(kwargs)
         except SystemExit as refused:
+            said = str(refused.code)
+            hint = "start one with `harbor-hpc ray up`, or fix --environment-kwarg ray_address"
             raise InputError(
-                str(refused.code),
-                hint="start one with `harbor-hpc ray up`, or fix --environment-kwarg "
-                "ray_address (or ray_cluster_dir)",
+                said, hint=None if "ray up" in said else f"{hint} (or ray_cluster_dir)"
             ) from None
 
 
@@ -235,5 +235,6 @@ def require_agent_env(names: list[str], given: Mapping[str, str | None] | None =
     if unset:
         raise InputError(
             f"--agent-env {', '.join(unset)}: not set in your environment",
-            hint="export it first, or pass --agent-env NAME=VALUE",
+            hint="export it first, or pass --agent-env NAME=VALUE (a run records the names of "
+            "its secrets, never their values: resubmitting needs them set again)",
         )
