@@ -172,33 +172,21 @@ def _private_dir(cluster_dir: Path) -> None:
 
 
 def job_script(cluster_dir: Path, options: UpOptions) -> str:
-    """The batch script: one task per Ray node, each running `harbor_hpc.ray.node`."""
-    sbatch = {
-        "job-name": "harbor-hpc-ray",
-        "nodes": str(options.nodes),
-        "ntasks-per-node": str(options.ray_nodes_per_node),
-        "time": str(options.placement.time_min or UP_TIME_MIN),
-        "output": str(cluster_dir / "job-%j.log"),
-        "cpus-per-task": options.cpus_per_node and str(options.cpus_per_node),
-    }
-    lines = ["#!/bin/bash"]
-    lines += [f"#SBATCH --{key}={value}" for key, value in sbatch.items() if value]
-    lines += options.placement.script_lines()
-    # A node lost (crashed, cut off) takes only its own Ray node: the job keeps the others
-    # (--no-kill), and is never run again from the start (a new head, at a new address).
-    lines += ["#SBATCH --no-kill", "#SBATCH --no-requeue"]
+    """The batch script (slurm/ray_job.sh): one task per Ray node, each running
+    `harbor_hpc.ray.node`."""
+    cpus = [f"#SBATCH --cpus-per-task={options.cpus_per_node}"] if options.cpus_per_node else []
     node = [sys.executable, "-m", "harbor_hpc.ray.node", str(cluster_dir)]
     node += ["--join", options.join] if options.join else []
     node += ["--labels", options.labels] if options.labels else []
-    # The site's lines first, as they are written (a `module` function may trip `set -u`).
-    lines += options.placement.setup
-    lines += [
-        "set -euo pipefail",
-        "umask 077",
-        # A worker that ends (its Ray lost) leaves the others be; the head's end ends the job.
-        f"exec srun --no-kill --kill-on-bad-exit=0 {shlex.join(node)}",
-    ]
-    return "\n".join(lines) + "\n"
+    values = {
+        "nodes": str(options.nodes),
+        "tasks_per_node": str(options.ray_nodes_per_node),
+        "time_min": str(options.placement.time_min or UP_TIME_MIN),
+        "log": str(cluster_dir / "job-%j.log"),
+        "sbatch": "\n".join(cpus + options.placement.script_lines()),
+        "node": shlex.join(node),
+    }
+    return options.placement.render("ray_job.sh", values)
 
 
 def parse_labels(text: str | None) -> dict[str, str]:

@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cache
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from harbor_hpc.core.errors import HarborHpcError, InputError, choice
 from harbor_hpc.core.proc import QUICK_TIMEOUT_S, Ran, run
+from harbor_hpc.core.templates import render_template
 
 if TYPE_CHECKING:  # submitit loads when a job is queued or awaited: `status` needs squeue only
     import submitit
@@ -359,6 +360,11 @@ class SlurmPlacement:
             lines.append(f"#SBATCH --{option}" if value is True else f"#SBATCH --{option}={value}")
         return lines
 
+    def render(self, name: str, values: Mapping[str, str] | None = None) -> str:
+        """The template `slurm/<name>` rendered: its `setup` this placement's lines, as written,
+        one a line, and `values` its other placeholders."""
+        return render_template(name, {"setup": "\n".join(self.setup), **(values or {})}, "slurm")
+
     def to_json(self) -> dict[str, Any]:
         return {
             "partition": self.partition,
@@ -468,8 +474,8 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
         "array_parallelism": request.array_parallelism,
     }
     parameters.update({key: value for key, value in optional.items() if value})
-    if request.placement.setup:
-        parameters["setup"] = list(request.placement.setup)
+    # submitit writes the batch script; ours is the lines it runs first (slurm/array_setup.sh).
+    parameters["setup"] = request.placement.render("array_setup.sh").splitlines()
     if request.gpus:
         # GRES is what every Slurm with GPUs takes; a gres of the user's (--sbatch-arg) wins.
         kind = f"{request.gpu_type}:" if request.gpu_type else ""

@@ -7,9 +7,9 @@ verifier) also records that image: one built from its tests/ folder (an entry of
 any other, listing the task among its `verifier_tasks`), or the reference its author set; so
 does each compose service beside it (an entry of `images` for a `build:` context, listing
 `[task, service]` among its `services`, or the service's `image:` reference). The JSON shape
-is described by `schemas/manifest.schema.json` (an example: examples/manifest.json); manifests
-written before verifier images were recorded read as tasks whose verifier shares their
-container.
+is described by the repository's `manifests/manifest.schema.json`, with examples beside it;
+manifests written before verifier images were recorded read as tasks whose verifier shares
+their container.
 
 Several processes (parallel builds, conversions on many nodes) update one manifest, so every
 change goes through `update_manifest`: lock, re-read, change, atomic write.

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.core.errors import InputError
+from harbor_hpc.ray.cluster import UpOptions, job_script
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor, JobRequest, NodeLimits, SlurmError
 from tests.support.fake_slurm import (
@@ -207,3 +208,26 @@ def test_one_placement_places_an_array_and_a_batch_script_alike(
     assert cluster.unit_request("x", cluster.SlurmPlacement(), cpus=1, mem_mb=1).time_min == 60
     with pytest.raises(InputError, match="--sbatch-arg '=' is empty"):
         cluster.SlurmPlacement(sbatch_args=("=",)).sbatch()
+
+
+def commands(script: str) -> list[str]:
+    """The lines of a batch script that run: not its #SBATCH lines, comments or blank lines."""
+    return [line for line in script.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_every_script_of_ours_runs_the_sites_setup_lines_first(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    """The templates of slurm/: an array's element (submit, build, convert) runs the site's
+    lines, as written, before submitit's command; `ray up`'s job before its own."""
+    placement = cluster.SlurmPlacement(setup=('site_module() { echo "$1"; }', "site_module x"))
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    request = cluster.unit_request("harbor-hpc-test", placement, cpus=1, mem_mb=100)
+    pool = cluster.executor(tmp_path / "%j", Executor.SLURM, request)
+    cluster.submit_array(pool, print, ["x"], what="the test job", hint="none")
+    [[script]] = fake_slurm.calls("sbatch")
+    array = commands(Path(script).read_text())
+    assert array[:3] == [*placement.setup, "export SUBMITIT_EXECUTOR=slurm"]
+    ray_job = job_script(tmp_path, UpOptions(nodes=1, placement=placement))
+    assert ray_job.startswith("#!/bin/bash\n")
+    assert commands(ray_job)[:3] == [*placement.setup, "set -euo pipefail"]

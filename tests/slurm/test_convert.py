@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,14 +180,19 @@ def test_convert_from_docker_daemon(tiny_image: TinyImage, tmp_path: Path) -> No
 @pytest.mark.registry
 @pytest.mark.docker
 def test_convert_on_slurm(tiny_image: TinyImage, tmp_path: Path) -> None:
+    """Each element runs the site's setup lines first (a `module`-like function one line
+    defines, called by the next), then converts its image into the store."""
     repository, digest = tiny_image.open_ref.split("@")
     manifest = tmp_path / "manifest.json"
     write_manifest(manifest, {"img": record(repository, digest, ["t/1"])})
     store = tmp_path / "store"
+    mark = tmp_path / "setup-ran"
     partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION", "debug")
     result = cli(
         "--manifest", str(manifest), "--cache-dir", str(store), "--nohttps", "--slurm",
         "--partition", partition, "--time", "10", "--json",
+        "--setup", f'site_module() {{ echo "loaded $* in $SLURM_JOB_ID" >> {mark}; }}',
+        "--setup", "site_module apptainer",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
     summary = json.loads(result.stdout)
@@ -194,6 +200,7 @@ def test_convert_on_slurm(tiny_image: TinyImage, tmp_path: Path) -> None:
     sif = load_manifest(manifest).images["img"].sif
     assert sif is not None and is_ready(Path(sif))
     assert list((store / ".slurm").iterdir())  # the array job's logs
+    assert re.fullmatch(r"loaded apptainer in \d+\n", mark.read_text())
 
 
 def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -> None:
