@@ -375,11 +375,17 @@ part_slurm() {
     changed=1
   fi
   rm -f "$tmp"
-  # Two GPUs of the type `fake` (GRES), whose device files stand in for a GPU's (as /dev/null
-  # does): Slurm hands them out and sets CUDA_VISIBLE_DEVICES as for real ones.
+  # Two GPUs of the type `fake` (GRES): Slurm hands them out, sets CUDA_VISIBLE_DEVICES and lets
+  # the job open only its own (ConstrainDevices) as for real ones. Their device files have an
+  # NVIDIA GPU's numbers (195:N) and no driver: opening one given says "No such device or
+  # address", one not given "Operation not permitted".
   local gpu
   for gpu in 0 1; do
-    [ -c "/dev/harbor-hpc-gpu$gpu" ] || mknod -m 666 "/dev/harbor-hpc-gpu$gpu" c 1 3
+    if [ "$(stat -c '%F %t:%T' "/dev/harbor-hpc-gpu$gpu" 2>/dev/null)" != "character special file c3:$gpu" ]; then
+      rm -f "/dev/harbor-hpc-gpu$gpu"
+      mknod -m 666 "/dev/harbor-hpc-gpu$gpu" c 195 "$gpu"
+      changed=1
+    fi
   done
   tmp=$(mktemp)
   echo "NodeName=$SLURM_HOST Name=gpu Type=fake File=/dev/harbor-hpc-gpu[0-1]" >"$tmp"
@@ -388,7 +394,10 @@ part_slurm() {
     changed=1
   fi
   rm -f "$tmp"
-  # No cgroup.conf: with proctrack/linuxproc and task/none slurmd loads no cgroup plugin.
+  if ! cmp -s "$CI_DIR/cgroup.conf" /etc/slurm/cgroup.conf; then
+    install -m 644 "$CI_DIR/cgroup.conf" /etc/slurm/cgroup.conf
+    changed=1
+  fi
   install -d -m 755 /var/spool/slurmctld /var/spool/slurmd /var/log/slurm
 
   if [ "$changed" = 1 ]; then
@@ -712,6 +721,10 @@ part_multinode() {
   install -d -m 755 /etc/slurm-multi /var/spool/slurmctld-multi /var/spool/slurmd-multi
   if ! cmp -s "$tmp" "$MULTI_CONF"; then
     install -m 644 "$tmp" "$MULTI_CONF"
+    changed=1
+  fi
+  if ! cmp -s "$CI_DIR/cgroup.conf" /etc/slurm-multi/cgroup.conf; then
+    install -m 644 "$CI_DIR/cgroup.conf" /etc/slurm-multi/cgroup.conf
     changed=1
   fi
   rm -f "$tmp"

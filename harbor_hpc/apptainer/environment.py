@@ -96,7 +96,7 @@ from harbor_hpc.apptainer.runtime import (
     writes_in_memory,
 )
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
-from harbor_hpc.apptainer.watchdog import MemoryWatchdog
+from harbor_hpc.apptainer.watchdog import MemoryWatchdog, oom_kills
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.scratch import PrivateDir
 from harbor_hpc.tasks.compose import MAIN, Compose, UnsupportedCompose, Volume, load_compose
@@ -265,6 +265,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._compose: Compose | None = None
         self._sidecars: dict[str, Sidecar] = {}
         self._watchdog: MemoryWatchdog | None = None
+        # The OOM kills in this process's memory cgroup when the container started (None: no
+        # cgroup says): a kill since is the job's memory running out.
+        self._oom_kills_at_start: int | None = None
         self._own_network = False
         self._network_problem: str | None = None  # why it shares the node's network
         self._network: OwnNetwork | None = None
@@ -621,6 +624,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             except RuntimeError as exc:
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         memory_mb = self._effective_memory_mb
+        self._oom_kills_at_start = oom_kills()
         if self._watchdog_enabled and memory_mb:
             assert self._main.pid is not None
             if server is None:
@@ -769,7 +773,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 output = await self._run_streaming(main, script, timeout_sec, callback)
         except RuntimeError:
             self._raise_if_memory_breached()
+            self._raise_if_oom_killed()
             raise
+        self._raise_if_oom_killed()
         return _exec_result(output)
 
     async def _run_streaming(
@@ -810,6 +816,24 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             raise MemoryLimitExceededError(
                 f"task {self.environment_name}: {self._watchdog.breach.describe()}"
             )
+
+    def _raise_if_oom_killed(self) -> None:
+        """The kernel's OOM killer acted in this process's memory cgroup while the container
+        ran: the job's memory (Slurm's --mem) ran out before the task reached its memory_mb,
+        which the watchdog holds it to, and it killed the biggest process of the job, maybe
+        this task's, where Docker would have let it live. Not the agent's doing: named, never a
+        reward (every trial of the job that ran then is named, as any may have lost one)."""
+        before = self._oom_kills_at_start
+        now = oom_kills() if before is not None else None
+        if before is None or now is None or now <= before:
+            return
+        raise MemoryLimitExceededError(
+            f"task {self.environment_name}: the kernel's OOM killer ended {now - before} "
+            "process(es) in the memory cgroup this trial runs in (a Slurm job's --mem, with "
+            "ConstrainRAMSpace) before the task reached its memory_mb of "
+            f"{self._effective_memory_mb} MB: give the job more memory (--mem) or run fewer "
+            "trials at once (--concurrency)"
+        )
 
     # -- files ------------------------------------------------------------------
 

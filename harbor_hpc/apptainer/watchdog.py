@@ -27,6 +27,7 @@ one reach four times its limit; an idle fleet of environments costs next to noth
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -77,6 +78,47 @@ def _read(path: str) -> bytes:
     # Plain open/read: pathlib costs twice as much, and a check reads a file per process.
     with open(path, "rb") as file:
         return file.read()
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended in this process's memory cgroup,
+    where its containers run too (a Slurm job's under ConstrainRAMSpace, limited to the job's
+    --mem); None where no memory cgroup says (no cgroups, or none readable). A read of a file
+    this process keeps open: a few microseconds."""
+    fd = _oom_kill_file()
+    if fd is None:
+        return None
+    try:
+        for line in os.pread(fd, 4096, 0).splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@functools.cache
+def _oom_kill_file() -> int | None:
+    """A descriptor on the file of this process's memory cgroup that counts OOM kills."""
+    try:
+        lines = _read("/proc/self/cgroup").decode().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # cgroup v1
+            name = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
+        elif controllers == "":  # cgroup v2 (memory.events counts the cgroups below too)
+            name = f"/sys/fs/cgroup{path.rstrip('/')}/memory.events"
+        else:
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+            if b"oom_kill " in os.pread(fd, 4096, 0):
+                return fd
+            os.close(fd)
+    return None
 
 
 def tree_rss(root_pid: int) -> tuple[list[int], int]:

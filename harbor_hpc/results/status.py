@@ -17,6 +17,8 @@ newest trial decides:
 
 from __future__ import annotations
 
+import os
+import re
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
@@ -172,13 +174,16 @@ def _status_of(
         return status(failed, FailureClass.IMAGE, record.image_problems[unit.task])
     if marker is not None:
         trial_dir = RunPaths(run_dir).trial(marker.trial)
-        reason = (
-            "the trial folder is gone"
-            if not trial_dir.exists()
-            else f"job {marker.job} ended before the trial wrote result.json "
-            "(cancelled, killed, out of time or node failure)"
+        if not trial_dir.exists():
+            return status(failed, lost, "no result: the trial folder is gone")
+        why = out_of_memory(run_dir, marker.job) or (
+            "cancelled, killed, out of time or node failure"
         )
-        return status(failed, lost, f"no result: {reason}")
+        return status(
+            failed,
+            lost,
+            f"no result: job {marker.job} ended before the trial wrote result.json ({why})",
+        )
     if fate is None:
         return status(failed, lost, "never submitted")
     if fate.job is None:
@@ -186,12 +191,38 @@ def _status_of(
     if cancelled >= fate.submission.number:
         return status(failed, lost, f"not started: {CANCELLED} stopped job {fate.job} first")
     log = RunPaths(run_dir).submitit / fate.job
-    return status(
-        failed,
-        lost,
-        f"job {fate.job} ended before this trial started (cancelled, killed, or it failed: "
-        f"see its log in {log})",
+    why = (
+        out_of_memory(run_dir, fate.job) or f"cancelled, killed, or it failed: see its log in {log}"
     )
+    return status(failed, lost, f"job {fate.job} ended before this trial started ({why})")
+
+
+# What slurmstepd writes to a job's stderr when the cgroup's OOM killer ended processes of it.
+_OOM_KILL = re.compile(rb"Detected (\d+) oom[-_]kill event")
+# The end of a job's log is read, where slurmstepd writes as the job ends.
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def out_of_memory(run_dir: Path, job: str | None) -> str | None:
+    """Why job `job` ended, when Slurm's cgroup killed processes of it for memory (its log
+    says so): the element's own processes (harbor-hpc's worker, Harbor) outgrew what the element
+    asked for beside its trials' memory_mb, which the watchdog holds each trial to."""
+    if job is None:
+        return None
+    for log in sorted((RunPaths(run_dir).submitit / job).glob("*_log.err")):
+        try:
+            with log.open("rb") as file:
+                file.seek(max(0, file.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+                found = _OOM_KILL.search(file.read())
+        except OSError:
+            continue
+        if found:
+            return (
+                f"Slurm's cgroup killed {found.group(1).decode()} process(es) of it for memory: "
+                "the element's processes outgrew its memory request; give it more "
+                "(--mem, or fewer trials at once with --concurrency)"
+            )
+    return None
 
 
 @dataclass

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from harbor_hpc.apptainer.runtime import FUSE_HELPERS
+from harbor_hpc.slurm.cluster import queued_jobs
 from tests.ray.conftest import RayCluster
 from tests.ray.test_environment import drive, lines, next_line
 from tests.support.cli import cli, cli_json
@@ -203,12 +204,15 @@ def test_a_cluster_gone_ends_its_environment_within_seconds(
     own_ray_cluster: Callable[..., RayCluster], debian_sif: Path, tmp_path: Path
 ) -> None:
     cluster = own_ray_cluster()
+
+    def down(_: str) -> None:
+        # scancel returns at once; Slurm ends the job's processes a moment later (SIGTERM to
+        # its cgroup, Ray's graceful stop): the exec is tried once the job has left the queue.
+        cli("ray", "down", "--cluster-dir", cluster["cluster_dir"])
+        assert gone_within(30, lambda: sorted(queued_jobs([cluster["job_id"]]))) == []
+
     placed, failed, stopped = break_then_exec(
-        cluster,
-        debian_sif,
-        tmp_path,
-        lambda _: cli("ray", "down", "--cluster-dir", cluster["cluster_dir"]),
-        cluster_left=False,
+        cluster, debian_sif, tmp_path, down, cluster_left=False
     )
     assert_ended_naming_the_node(failed["error"], placed)
     assert failed["after"] < 30 and stopped["stopped_after"] < 30

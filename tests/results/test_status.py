@@ -150,3 +150,28 @@ def test_a_trial_the_jobs_end_cut_short_is_lost_whatever_it_recorded(tmp_path: P
     [status] = attempt_statuses(run_dir, load_run(run_dir), set())
     assert (status.state, status.failure) == ("failed", "infrastructure")
     assert status.message == "job 41_0 got SIGTERM during the trial (reward 0.0)"
+
+
+def test_a_job_the_cgroups_oom_killer_ended_is_named(tmp_path: Path) -> None:
+    """slurmstepd's line (as the real Slurm 22.05 writes it at a job's end, ConstrainRAMSpace)
+    in the job's log names why its trials have no result."""
+    run_dir = record_with(tmp_path, ["started", "waiting"])
+    submit(run_dir, Chunk([Unit("started", 0), Unit("waiting", 0)], DEAD))
+    write_marker(run_dir, marker("t1", "started", DEAD))
+    RunPaths(run_dir).trial("t1").mkdir(parents=True)
+    log = RunPaths(run_dir).submitit / DEAD / f"{DEAD}_0_log.err"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "harbor-hpc: element 1 of 2\n"
+        "slurmstepd-vm: error: Detected 1 oom-kill event(s) in StepId=797.batch. Some of your "
+        "processes may have been killed by the cgroup out-of-memory handler.\n"
+    )
+    started, waiting = attempt_statuses(run_dir, load_run(run_dir), set())
+    said = "Slurm's cgroup killed 1 process(es) of it for memory"
+    assert started.message is not None and waiting.message is not None
+    assert started.message.startswith(f"no result: job {DEAD} ended before the trial wrote")
+    assert said in started.message and said in waiting.message
+    assert (started.failure, waiting.failure) == ("infrastructure", "infrastructure")
+    log.write_text("slurmstepd-vm: error: *** JOB 41 ON vm CANCELLED AT 2026-11-28 ***\n")
+    started, _ = attempt_statuses(run_dir, load_run(run_dir), set())
+    assert started.message is not None and "cancelled, killed" in started.message

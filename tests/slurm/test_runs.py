@@ -25,7 +25,7 @@ from harbor_hpc.results.record import RunPaths, load_run, read_markers
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
 from tests.support.probe_agent import AGENT, seen_by
-from tests.support.processes import processes_naming
+from tests.support.processes import job_processes, processes_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import fill, small_disk, unfill
 from tests.support.users import other_user_command
@@ -41,6 +41,10 @@ EXPECTED = {
     "noimage": ("failed", None, "image"),
     "gone": ("failed", None, "image"),
 }
+
+
+# The fake GPUs' device files (.ci/provision.sh).
+FAKE_GPUS = ("/dev/harbor-hpc-gpu0", "/dev/harbor-hpc-gpu1")
 
 
 def by_task(statuses: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -304,8 +308,16 @@ def test_a_cancelled_job_is_finished_by_resubmit(debian_sif: Path, tmp_path: Pat
     run_dir, tasks, jobs = start_two_trials(debian_sif, tmp_path, "sleepy")
     running = cli_json("status", str(run_dir))
     assert {s["state"] for s in running} == {"running"}
+    # The job's end takes every process of it (proctrack/cgroup): its containers' agents too.
+    deadline = time.monotonic() + 120
+    held = job_processes(jobs[0])
+    while names_of(held).count("sleep") < len(TWO):
+        assert time.monotonic() < deadline, "the agents' commands never ran"
+        time.sleep(0.5)
+        held = job_processes(jobs[0])
     subprocess.run(["scancel", *jobs], check=True, timeout=30)
     wait_for_jobs(jobs, time.monotonic() + 120)
+    assert psutil.wait_procs(held, timeout=30)[1] == []
     dead = cli_json("status", str(run_dir))
     assert {(s["state"], s["failure"]) for s in dead} == {("failed", "infrastructure")}
     done = rerun_to_reward_one(run_dir, tasks, debian_sif, {s["trial"] for s in dead})
@@ -379,6 +391,14 @@ def start_two_trials(debian_sif: Path, tmp_path: Path, kind: str) -> tuple[Path,
     return run_dir, tasks, jobs
 
 
+def names_of(processes: list[psutil.Process]) -> list[str]:
+    names = []
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            names.append(process.name())
+    return names
+
+
 def wait_for_jobs(job_ids: list[str], deadline: float) -> None:
     while queued_jobs(job_ids):
         assert time.monotonic() < deadline, f"jobs {job_ids} never ended"
@@ -438,7 +458,9 @@ def test_a_disk_full_during_trials_is_finished_by_resubmit(
 def test_tasks_asking_for_gpus_get_their_own_from_slurm(debian_sif: Path, tmp_path: Path) -> None:
     """The node's GPUs are fake (GRES type `fake`, .ci/provision.sh): Slurm is asked for the
     type as it names it, and each of two trials at once gets one device of its element's two;
-    a task that asks for none sees none."""
+    a task that asks for none sees none. The device files reach the containers as a site's
+    APPTAINER_BINDPATH binds them (a setup line), and the job's device cgroup (ConstrainDevices)
+    holds the containers as it holds the job: the GPU element may open both, the other none."""
     tasks = tmp_path / "tasks"
     for name in ("gpu-a", "gpu-b"):
         make_task(
@@ -450,6 +472,7 @@ def test_tasks_asking_for_gpus_get_their_own_from_slurm(debian_sif: Path, tmp_pa
     submitted = cli_json(
         "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir), "--executor",
         "slurm", "--tasks-per-job", "2", "--concurrency", "2", "--wait",
+        "--setup", f"export APPTAINER_BINDPATH={FAKE_GPUS[0]},{FAKE_GPUS[1]}",
     )  # fmt: skip
     asked = {
         tuple(g["tasks"]): (g["resources"]["gpus"], g["resources"]["gpu_types"])
@@ -467,3 +490,34 @@ def test_tasks_asking_for_gpus_get_their_own_from_slurm(debian_sif: Path, tmp_pa
         for task, status in statuses.items()
     }
     assert sorted([seen["gpu-a"], seen["gpu-b"]]) == ["0", "1"] and seen["cpu"] == ""
+    opened = {
+        task: (RunPaths(run_dir).trial(status["trial"]) / "agent" / "devices").read_text()
+        for task, status in statuses.items()
+    }
+    given, refused = "No such device or address", "Operation not permitted"
+    for task, said in (("gpu-a", given), ("gpu-b", given), ("cpu", refused)):
+        assert opened[task] == "".join(f"{path} {said}\n" for path in FAKE_GPUS), opened
+
+
+def test_a_trial_the_jobs_memory_cgroup_kills_is_named_not_scored(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """Slurm holds each job to its --mem (ConstrainRAMSpace). A job given less than its trials'
+    memory_mb (the user's --mem) runs out before the watchdog's threshold: the kernel kills the
+    task's biggest process, and the trial fails `memory`, naming the job's cgroup, never a 0
+    that reads as the agent's. The element lives on: its other trial scores."""
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "hog", kind="memory_hog", memory_mb=4096, image=str(debian_sif))
+    make_task(tasks, "fine", memory_mb=4096, image=str(debian_sif))
+    run_dir = tmp_path / "run"
+    waited = cli(
+        "submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir), "--executor",
+        "slurm", "--tasks-per-job", "2", "--concurrency", "1", "--mem", "1500", "--wait",
+        check=False,
+    )  # fmt: skip
+    assert waited.returncode == 1, waited.stderr
+    statuses = by_task(cli_json("status", str(run_dir)))
+    assert (statuses["fine"]["state"], statuses["fine"]["reward"]) == ("done", 1.0)
+    hog = statuses["hog"]
+    assert (hog["state"], hog["failure"]) == ("failed", "memory"), hog
+    assert "OOM killer" in hog["message"] and "--mem" in hog["message"], hog

@@ -9,6 +9,7 @@ by its path, but hold it open; they run in the container's user namespace, besid
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,3 +91,21 @@ def gone_within(seconds: float, still: Callable[[], list[str]]) -> list[str]:
     while still() and time.monotonic() < deadline:
         time.sleep(0.2)
     return still()
+
+
+def job_processes(job: str) -> list[psutil.Process]:
+    """The processes in Slurm job `job`'s cgroups (proctrack/cgroup: `/job_ID/` in each
+    controller's path, ID the job's own for an array element), its containers' included."""
+    raw = subprocess.run(
+        ["squeue", "-h", "-j", job, "-o", "%A"], capture_output=True, text=True, timeout=30
+    ).stdout.strip()
+    assert raw.isdigit(), f"squeue knows no job {job}"
+    found = []
+    for process in psutil.process_iter():
+        try:
+            with open(f"/proc/{process.pid}/cgroup") as file:
+                if f"/job_{raw}/" in file.read():
+                    found.append(process)
+        except OSError:
+            continue
+    return found

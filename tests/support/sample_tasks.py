@@ -42,10 +42,16 @@ SOLVE = {
     "pausing": "sleep 8\necho 42 > /tmp/answer\n",
     # Solves only when the agent was given the secret its run passed with --agent-env.
     "secret": '[ "$HH_TEST_SECRET" = s3cr3t-2f9a ] && echo 42 > /tmp/answer\n',
-    # Solves only when it was given exactly one GPU (of the devices Slurm gave its job).
     # Solves only where the compose service `answers` (answer_service) is reachable by name.
     "from_service": FETCH_ANSWER,
+    # Solves only when it was given exactly one GPU (of the devices Slurm gave its job); notes
+    # how opening each fake GPU device file in its /dev ends (ENXIO: allowed, no driver; EPERM:
+    # refused by the job's device cgroup).
     "one_gpu": (
+        'python3 -c \'import glob, os\nfor path in sorted(glob.glob("/dev/harbor-hpc-gpu*")):\n'
+        '    try:\n        os.close(os.open(path, os.O_RDONLY)); said = "opened"\n'
+        "    except OSError as error:\n        said = os.strerror(error.errno)\n"
+        "    print(path, said)' > /logs/agent/devices\n"
         'echo "$CUDA_VISIBLE_DEVICES" > /logs/agent/gpus\n'
         'one="${CUDA_VISIBLE_DEVICES#*,}"\n'
         '[ -n "$CUDA_VISIBLE_DEVICES" ] && [ "$one" = "$CUDA_VISIBLE_DEVICES" ]'
