@@ -12,13 +12,20 @@ each sequence is a line of its own, `sequence` i of `sequences`, so that every l
 the model saw. The reward of an agent that failed before its verifier ran is 0.0, as trainers
 score such rollouts.
 
-    harbor-rl   task, attempt, trial, sequence, sequences, reward, partial, token_ids, mask_ids
-                (1: produced by the policy), logprobs (0.0 where mask 0): the flattened fields.
+    harbor-rl   task, attempt, trial, sequence, sequences, partial, environment_limits, reward,
+                token_ids, mask_ids (1: produced by the policy), logprobs (0.0 where mask 0):
+                the flattened fields.
     nemo-gym    NeMo Gym's rollout line, as its Harbor agent writes it and NeMo RL reads it:
                 `responses_create_params.input` (the first turn's input messages),
                 `response.output` (per turn an assistant message with prompt_token_ids,
                 generation_token_ids and generation_log_probs, then its function_call and
-                function_call_output items), `reward`, `instance_id` (the task), `metadata`.
+                function_call_output items), `reward`, `instance_id` (the task), `metadata`
+                (the harbor-rl line's fields without the tokens and the reward, `trial_dir`).
+
+Both carry `environment_limits`: where the trial's container was weaker than Docker's (no subuid
+range, no network of its own, writes in memory: apptainer/limits.py), one sentence each, empty
+where it ran as in Docker. Such a reward stands (Harbor's policy), but may differ from Docker's:
+a trainer that wants only rewards Docker would give drops the lines that name a limit.
 
 A run that asked for token ids (agent kwarg `collect_rollout_details`) and got none for some
 model call of a trainable trial writes nothing: the model server did not send them.
@@ -200,7 +207,13 @@ def _trainer_lines(r: Rollout, fmt: ExportFormat) -> list[dict[str, Any]]:
     reward = 0.0 if line["reward"] is None else line["reward"]
     lines = []
     for number, sequence in enumerate(found):
-        where = {**ids, "sequence": number, "sequences": len(found), "partial": line["partial"]}
+        where = {
+            **ids,
+            "sequence": number,
+            "sequences": len(found),
+            "partial": line["partial"],
+            "environment_limits": line["environment_limits"],
+        }
         if fmt is ExportFormat.HARBOR_RL:
             lines.append(
                 {

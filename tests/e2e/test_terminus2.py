@@ -22,6 +22,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.results.rollout import SCHEMA_FILE
 from tests.support.cli import cli, cli_json
@@ -274,6 +275,12 @@ def test_a_drifting_template_and_a_multi_step_task_export_honestly(
     assert [nemo_rl_message_log(g)[1]["token_ids"] for g in gym] == [
         e.completion_token_ids for e in sent
     ]
+    # A trainer is told where the container was weaker than Docker's (CI's user without a
+    # subuid range: one id), in every line of both formats.
+    (named,) = {tuple(r["environment_limits"]) for r in rl} | {
+        tuple(g["metadata"]["environment_limits"]) for g in gym
+    }
+    assert (ONE_ID in named) == bool(missing_subid_ranges()), named
 
 
 def test_the_trainer_example_gets_the_servers_tokens_back_in_python(

@@ -195,9 +195,10 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
 
     (rl,) = run.export(ExportFormat.HARBOR_RL)
     assert list(rl) == [
-        *("task", "attempt", "trial", "sequence", "sequences", "partial"),
+        *("task", "attempt", "trial", "sequence", "sequences", "partial", "environment_limits"),
         *("reward", "token_ids", "mask_ids", "logprobs"),
     ]
+    assert rl["environment_limits"] == []
     skyrl = skyrl_generator_output([rl])
     assert skyrl["prompt_token_ids"] == [P0]
     assert skyrl["response_ids"] == [line["token_ids"][3:]]
