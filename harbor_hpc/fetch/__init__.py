@@ -4,7 +4,8 @@
 (`hub`), unpacks every archive into DEST at the archive's own folder and copies the other files to
 their repository paths (`place`, refusing unsafe archives whole: `unpack`), then lists the tasks
 found under DEST. A refused archive does not stop the others; the report lists it and the caller
-decides the exit code.
+decides the exit code. A dataset of Harbor's registry (NAME@VERSION) is downloaded by Harbor's own
+client into the same kind of DEST, one folder per task: `registry`.
 """
 
 from __future__ import annotations
@@ -19,29 +20,32 @@ from typing import Any
 from harbor_hpc.core.batch import State, Step, done, failed, skipped
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.fetch.hub import Hub, PlannedFile, download, plan
-from harbor_hpc.fetch.place import Destination, archive_folder, load_state, sha256_of
+from harbor_hpc.fetch.place import Destination, Failure, archive_folder, load_state, sha256_of
+from harbor_hpc.fetch.registry import (
+    RegistryPlan,
+    RegistryReport,
+    fetch_registry_dataset,
+    plan_registry_dataset,
+)
 from harbor_hpc.fetch.unpack import UnsafeArchiveError, check, is_archive
 from harbor_hpc.tasks.discovery import discover_tasks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FetchPlan", "FetchReport", "Hub", "fetch", "plan_fetch"]
+__all__ = [
+    "FetchPlan",
+    "FetchReport",
+    "Hub",
+    "RegistryPlan",
+    "RegistryReport",
+    "fetch",
+    "fetch_registry_dataset",
+    "plan_fetch",
+    "plan_registry_dataset",
+]
 
 # Called before each archive is looked at: (archives done, archives in all, repository path).
 ArchiveProgress = Callable[[int, int, str], None]
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A file or archive that was not put into DEST; `member` is set for a refused archive."""
-
-    path: str
-    message: str
-    hint: str | None = None
-    member: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "member": self.member, "message": self.message}
 
 
 @dataclass

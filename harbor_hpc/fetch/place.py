@@ -1,14 +1,17 @@
 """Put downloaded files and unpacked archives into the destination folder, once.
 
 The destination remembers, in `DEST/.harbor-hpc-fetch.json`, the content hash of every archive it
-unpacked and the top-level entries that archive produced. A rerun skips an archive whose hash is
-unchanged and whose entries are all there, and replaces the entries of one that changed.
+unpacked and the top-level entries that archive produced, and of every task of a Harbor registry
+dataset it placed (under the task's folder name, its one entry). A rerun skips an archive or task
+whose hash is unchanged and whose entries are all there, and replaces the entries of one that
+changed.
 
-Nothing half-done ever looks finished: an archive is unpacked into a hidden staging folder at the
-top of DEST (`discover_tasks` skips hidden folders) and its entries are renamed into place only
-when every member checked out and was written. The state file is marked "pending" before the
-first rename, so a run that dies during the renames is redone from scratch next time. One run at a
-time holds `DEST/.harbor-hpc-fetch.lock`; leftovers of a dead run are removed when the next starts.
+Nothing half-done ever looks finished: an archive is unpacked (and a registry dataset downloaded)
+into a hidden staging folder at the top of DEST (`discover_tasks` skips hidden folders) and its
+entries are renamed into place only when all of it was written. The state file is marked
+"pending" before the first rename, so a run that dies during the renames is redone from scratch
+next time. One run at a time holds `DEST/.harbor-hpc-fetch.lock`; leftovers of a dead run are
+removed when the next starts.
 """
 
 from __future__ import annotations
@@ -52,6 +55,28 @@ def archive_folder(repo_path: str) -> str:
     """The folder an archive unpacks into: the one it sits in (`tar -C DEST/<folder>`)."""
     parent = PurePosixPath(repo_path).parent.as_posix()
     return "" if parent == "." else parent
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A file, archive or task that was not put into DEST; `member` is set for a refused archive."""
+
+    path: str
+    message: str
+    hint: str | None = None
+    member: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "member": self.member, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A hidden folder in DEST (so on its filesystem: renames move from it): new entries are
+    written into `new`, the entries they replace are moved to `old`, and all goes with it."""
+
+    new: Path
+    old: Path
 
 
 @dataclass
@@ -99,11 +124,11 @@ class Destination:
                 shutil.rmtree(leftover, ignore_errors=True)
             yield cls(root, load_state(root))
 
-    def is_unchanged(self, repo_path: str, sha256: str) -> bool:
-        record = self.state.get(repo_path)
+    def is_unchanged(self, key: str, sha256: str) -> bool:
+        record = self.state.get(key)
         if record is None or record.sha256 != sha256:
             return False
-        folder = self.root / archive_folder(repo_path)
+        folder = self.root / archive_folder(key)
         return all(os.path.lexists(folder / root) for root in record.roots)
 
     def has_copy(self, repo_path: str, source: Path) -> bool:
@@ -129,47 +154,61 @@ class Destination:
         atomic_copy(source, target)
         return True
 
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Staging]:
+        """A new staging folder in DEST, removed with whatever is left in it."""
+        folder = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=self.root))
+        try:
+            staging = Staging(new=folder / "new", old=folder / "old")
+            staging.new.mkdir()
+            staging.old.mkdir()
+            yield staging
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def unpack_archive(self, repo_path: str, source: Path, sha256: str) -> list[str]:
         """Unpack `source` (the archive at `repo_path`) into its folder; return its new entries.
 
         Raises `UnsafeArchiveError` (or `HarborHpcError`) with DEST exactly as it was.
         """
-        folder = self.root / archive_folder(repo_path)
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=self.root))
-        unpacked, replaced = staging / "new", staging / "old"
-        try:
-            unpacked.mkdir()
-            replaced.mkdir()
-            roots = unpack(source, unpacked, label=repo_path)
-            previous = self.state.get(repo_path, ArchiveRecord(None))
-            self._refuse_foreign(repo_path, folder, roots, previous.roots)
-            self._save(repo_path, ArchiveRecord(None, sorted({*previous.roots, *roots})))
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in previous.roots:
-                if os.path.lexists(folder / old):
-                    os.replace(folder / old, replaced / old)
-            for new in roots:
-                os.replace(unpacked / new, folder / new)
-            self._save(repo_path, ArchiveRecord(sha256, roots))
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        with self.staging() as staging:
+            roots = unpack(source, staging.new, label=repo_path)
+            self.install(repo_path, staging, roots, sha256)
         return roots
 
-    def _refuse_foreign(
-        self, repo_path: str, folder: Path, roots: list[str], owned: list[str]
-    ) -> None:
-        """Never replace what this archive did not unpack: the user's or another archive's."""
+    def install(self, key: str, staging: Staging, roots: list[str], sha256: str) -> None:
+        """Rename `roots`, entries of `staging.new`, into the folder of `key` (an archive's
+        repository path, or a registry task's folder name), replacing those an earlier run
+        recorded under `key`, and record them with `sha256`.
+
+        Raises `HarborHpcError` with DEST exactly as it was when an entry would replace what no
+        earlier fetch of `key` made.
+        """
+        folder = self.root / archive_folder(key)
+        previous = self.state.get(key, ArchiveRecord(None))
+        self._refuse_foreign(key, folder, roots, previous.roots)
+        self._save(key, ArchiveRecord(None, sorted({*previous.roots, *roots})))
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in previous.roots:
+            if os.path.lexists(folder / old):
+                os.replace(folder / old, staging.old / old)
+        for new in roots:
+            os.replace(staging.new / new, folder / new)
+        self._save(key, ArchiveRecord(sha256, roots))
+
+    def _refuse_foreign(self, key: str, folder: Path, roots: list[str], owned: list[str]) -> None:
+        """Never replace what `key` did not make: the user's, another archive's or task's."""
         for root in roots:
             target = folder / root
             if os.path.lexists(target) and root not in owned:
                 raise HarborHpcError(
-                    f"{repo_path}: not unpacked, it would replace {target}, "
-                    "which an earlier fetch of this archive did not create",
+                    f"{key}: not placed, it would replace {target}, "
+                    f"which an earlier fetch of {key} did not create",
                     hint=f"move {target} away (or pick another --dest) and fetch again",
                 )
 
-    def _save(self, repo_path: str, record: ArchiveRecord) -> None:
-        self.state[repo_path] = record
+    def _save(self, key: str, record: ArchiveRecord) -> None:
+        self.state[key] = record
         archives: dict[str, Any] = {
             name: {"sha256": entry.sha256, "roots": entry.roots}
             for name, entry in sorted(self.state.items())
