@@ -170,7 +170,7 @@ def test_manifest_records_verifier_images_and_old_manifests_still_read(tmp_path:
     assert again.verifier_image_of("a") is not None and again.verifier_image_of("author") is None
 
     # A manifest written before verifier images: the example without the verifier fields.
-    data = json.loads((REPO / "examples" / "manifest.json").read_text())
+    data = json.loads((REPO / "manifests" / "verifiers-and-failures.json").read_text())
     for task in data["tasks"].values():
         task.pop("verifier", None)
     for image in data["images"].values():
