@@ -10,15 +10,19 @@ starts at once (all ready; Apptainer's with the breakdown's last row too: on a s
 are CPU-bound), exec round trips of `true` (p50, p99), and a bare `true` spawned in the
 container (posix_spawn and wait, timed inside: the floor of any exec).
 
-A second row of ours runs from the image unpacked on the node's disk (`unpacked_roots`, made
-once before it is measured; the time that took is printed).
+Ours three ways: from the .sif (`unpacked_roots=0`, as before roots were the default), by
+default with an image used once (each start a node, to the roots, that has not seen it: a
+scratch folder of its own), and by default with an image reused (the same scratch folder: its
+second start unpacked it in the background, waited for before the measured starts; the time
+that took is printed).
 
 NeMo Gym is not a dependency: give `--nemo-python` a python of a venv with `nemo-gym` (e.g.
 `uv venv V && VIRTUAL_ENV=V uv pip install nemo-gym`); its rows are left out without one.
 Harbor's environment needs uvicorn and FastAPI in the image: the image is bench_environment.py's.
 
-Goals: start <= 2x Apptainer alone; 16 at once <= 1.5x one; exec p50 <= 0.5x Harbor's and
-<= bare true + 1 ms.
+Goals: start <= 2x Apptainer alone; a reused image's <= 1.5x Apptainer alone, an image used once
+no slower than from the .sif; 16 at once <= 1.5x one; exec p50 <= 0.5x Harbor's and <= bare
+true + 1 ms.
 
 Usage: uv run python bench/bench_start.py [--rounds 5] [--execs 300] [--nemo-python PY]
        [--without-harbor] [--sif SIF]
@@ -46,16 +50,16 @@ from harbor.environments.base import BaseEnvironment
 from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.roots import UnpackedRoots
 from harbor_hpc.apptainer.runtime import FUSE_HELPERS, find_apptainer
 from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.apptainer.watchdog import kill_processes
 from harbor_hpc.core.scratch import remove_private_dir
 
 AT_ONCE = 16
-# Ours with the image unpacked on the node's disk (`unpacked_roots`), the root made beforehand.
-UNPACKED = "harbor-hpc unpacked_roots"
-ROOTS_GIB = 20
+# Ours from the .sif, and by default with an image used once and with one reused.
+FROM_SIF = "harbor-hpc (.sif)"
+ONCE = "harbor-hpc, image used once"
+REUSED = "harbor-hpc, image reused"
 APPTAINER_FLAGS = ("--fakeroot", "--contain", "--ipc", "--pid", "--net", "--network", "none")
 # A bare `true` spawned and waited for inside the container, timed there (ms per spawn, sorted).
 BARE_TRUE = (
@@ -215,25 +219,41 @@ def nemo_gym(python: str | None, sif: Path, rounds: int, execs: int) -> dict[str
 
 
 def factories(sif: Path, harbor_too: bool, roots: Path) -> dict[str, Factory]:
-    def ours(folder: Path, name: str) -> BaseEnvironment:
-        return make_environment(SingularityEnvironment, sif, folder, name, 4096)
+    def from_sif(folder: Path, name: str) -> BaseEnvironment:
+        return make_environment(SingularityEnvironment, sif, folder, name, 4096, unpacked_roots=0)
 
-    def unpacked(folder: Path, name: str) -> BaseEnvironment:
+    def once(folder: Path, name: str) -> BaseEnvironment:
+        scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=folder))  # a node new to it
         return make_environment(
-            SingularityEnvironment,
-            sif,
-            folder,
-            name,
-            4096,
-            unpacked_roots=ROOTS_GIB,
-            scratch_dir=str(roots),
+            SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(scratch)
+        )
+
+    def reused(folder: Path, name: str) -> BaseEnvironment:
+        return make_environment(
+            SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(roots)
         )
 
     def harbor(folder: Path, name: str) -> BaseEnvironment:
         return make_environment(HarborSingularity, sif, folder, name, 4096)
 
-    chosen: dict[str, Factory] = {"harbor-hpc": ours, UNPACKED: unpacked}
+    chosen: dict[str, Factory] = {FROM_SIF: from_sif, ONCE: once, REUSED: reused}
     return {**chosen, "harbor": harbor} if harbor_too else chosen
+
+
+async def unpacked_by_default(factory: Factory, roots: Path) -> float:
+    """Start the image twice as a reused one starts (the second start unpacks it in the
+    background), then wait for its root: the seconds until it is there."""
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-start-warm-") as folder:
+        for number in range(2):
+            environment = factory(Path(folder), f"warm{number}")
+            await environment.start(False)
+            await environment.stop(True)
+    folder_of_roots = roots / f"harbor-hpc-roots-{os.getuid()}"
+    while not any(path.is_dir() for path in folder_of_roots.iterdir()):
+        assert time.perf_counter() - began < 600, f"no root in {folder_of_roots} (see the log)"
+        await asyncio.sleep(0.1)
+    return time.perf_counter() - began
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,12 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, list[float]]] = {}
     crowd: dict[str, tuple[float, int]] = {}
     roots = Path(tempfile.mkdtemp(prefix="bench-start-roots-"))
-    began = time.perf_counter()
-    lease = UnpackedRoots.on_node(roots, ROOTS_GIB).lease(sif)
-    unpack = time.perf_counter() - began
-    assert lease is not None, f"{sif} cannot be unpacked here (see the log)"
-    lease.release()
-    for name, factory in factories(sif, not args.without_harbor, roots).items():
+    made = factories(sif, not args.without_harbor, roots)
+    unpack = asyncio.run(unpacked_by_default(made[REUSED], roots))
+    for name, factory in made.items():
         print(f"measuring {name} ...", flush=True)
         results[name] = asyncio.run(measure(factory, args.rounds, args.execs))
         crowd[name] = asyncio.run(at_once(factory))
@@ -295,18 +312,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, figures in results.items():
         start = statistics.median(figures["start"])
         print(f"  {name:32}{start * 1000:9.1f}   {start / base:5.2f}x apptainer alone")
-    ours = statistics.median(results["harbor-hpc"]["start"])
+    ours = statistics.median(results[FROM_SIF]["start"])
     floor = alone[floor_label]
     print(
-        f"  harbor-hpc over Apptainer's own start with the same mounts and python3: "
+        f"  {FROM_SIF} over Apptainer's own start with the same mounts and python3: "
         f"+{(ours - floor) * 1000:.0f} ms ({ours / floor:.2f}x)"
     )
-    print(f"  goal: harbor-hpc <= 2x apptainer alone: {'ok' if ours <= 2 * base else 'MISSED'}")
-    from_root = statistics.median(results[UNPACKED]["start"])
+    print(f"  goal: {FROM_SIF} <= 2x apptainer alone: {'ok' if ours <= 2 * base else 'MISSED'}")
+    once = statistics.median(results[ONCE]["start"])
     print(
-        f"  goal: {UNPACKED} <= 2x apptainer alone: "
-        f"{'ok' if from_root <= 2 * base else 'MISSED'} (the unpack, once per image and node: "
-        f"{unpack:.2f} s)"
+        f"  goal: {ONCE} no slower than {FROM_SIF}: {once / ours:.2f}x "
+        f"({'ok' if once <= 1.05 * ours else 'MISSED'}: within 5%, the noise here)"
+    )
+    reused = statistics.median(results[REUSED]["start"])
+    print(
+        f"  goal: {REUSED} <= 1.5x apptainer alone: {reused / base:.2f}x "
+        f"({'ok' if reused <= 1.5 * base else 'MISSED'}; its second start unpacked it in the "
+        f"background, ready {unpack:.2f} s after the first began)"
     )
 
     print(f"\n{AT_ONCE} at once, all ready, s (ratio to one start):")
@@ -316,18 +338,18 @@ def main(argv: list[str] | None = None) -> int:
         one = statistics.median(results[name]["start"])
         failures = f"   {failed} of {AT_ONCE} failed to start" if failed else ""
         print(f"  {name:32}{seconds:9.2f}   {seconds / one:5.1f}x{failures}")
-    met = crowd["harbor-hpc"][0] <= 1.5 * ours and not crowd["harbor-hpc"][1]
-    print(f"  goal: harbor-hpc <= 1.5x one: {'ok' if met else 'MISSED'}")
+    met = crowd[FROM_SIF][0] <= 1.5 * ours and not crowd[FROM_SIF][1]
+    print(f"  goal: {FROM_SIF} <= 1.5x one: {'ok' if met else 'MISSED'}")
 
     print("\nexec round trip of `true`, ms:       p50      p99     stop s")
     for name, figures in results.items():
         p50, p99 = percentile(figures["exec"], 0.5), percentile(figures["exec"], 0.99)
         stop = statistics.median(figures["stop"])
         print(f"  {name:32}{p50 * 1000:8.2f} {p99 * 1000:8.2f} {stop:10.2f}")
-    bare = results["harbor-hpc"]["bare"]
+    bare = results[FROM_SIF]["bare"]
     bare50, bare99 = percentile(bare, 0.5), percentile(bare, 0.99)
     print(f"  {'bare true in the container':32}{bare50 * 1000:8.2f} {bare99 * 1000:8.2f}")
-    ours50 = percentile(results["harbor-hpc"]["exec"], 0.5)
+    ours50 = percentile(results[FROM_SIF]["exec"], 0.5)
     if "harbor" in results:
         theirs50 = percentile(results["harbor"]["exec"], 0.5)
         print(

@@ -84,7 +84,7 @@ from harbor_hpc.apptainer.network import (
 )
 from harbor_hpc.apptainer.options import SingularityOptions
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
-from harbor_hpc.apptainer.probes import filesystem_type, install_problem
+from harbor_hpc.apptainer.probes import install_problem, missing_subid_ranges
 from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
@@ -98,6 +98,7 @@ from harbor_hpc.apptainer.runtime import (
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.watchdog import MemoryWatchdog, oom_kills
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.files import filesystem_type
 from harbor_hpc.core.scratch import PrivateDir
 from harbor_hpc.tasks.compose import MAIN, Compose, UnsupportedCompose, Volume, load_compose
 
@@ -241,13 +242,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._poll_interval = options.memory_poll_interval_sec
         self._scratch_root = options.scratch_dir.expanduser() if options.scratch_dir else None
         self._extra_hosts = parse_extra_hosts(options.extra_hosts)
-        # Only fakeroot containers see the owners an unpacked root keeps (roots.py).
+        # Only fakeroot containers see the owners an unpacked root keeps, and only a user with
+        # a subuid range can unpack it so (roots.py).
         self._roots = (
             UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
-            if options.unpacked_roots > 0 and self._fakeroot
+            if self._fakeroot and not missing_subid_ranges()
             else None
         )
-        self._root_lease: Lease | None = None
+        self._root_leases: list[Lease] = []
         super().__init__(
             environment_dir=environment_dir,
             environment_name=environment_name,
@@ -427,8 +429,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         self._prepare_scratch()
         try:
-            if self._roots is not None:
-                await self._lease_root()
+            assert self._main is not None  # _prepare_scratch made it
+            await self._lease_root(self._main)
             await self._launch(flags)
             self._record_limits()
             # As Docker's environment leaves them: Harbor's log folders (bound from the trial's
@@ -466,18 +468,18 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             )
         write_limits(self.trial_paths.trial_dir, limits)
 
-    async def _lease_root(self) -> None:
-        """Run the task container from its image unpacked on this node, where it can be."""
-        assert self._roots is not None and self._main is not None
+    async def _lease_root(self, container: Container) -> None:
+        """Run `container` (the task's, a compose service's) from its image unpacked on this
+        node, where it can be (roots.py)."""
+        if self._roots is None:
+            return
         began = time.monotonic()
-        self._root_lease = await asyncio.to_thread(self._roots.lease, self._main.sif)
-        if self._root_lease is not None:
-            self._main.root = self._root_lease.root
+        lease = await asyncio.to_thread(self._roots.lease, container.sif)
+        if lease is not None:
+            self._root_leases.append(lease)
+            container.root = lease.root
             self.logger.debug(
-                "task %s: runs from %s (%.2f s)",
-                self.environment_name,
-                self._root_lease.root,
-                time.monotonic() - began,
+                "%s: runs from %s (%.2f s)", container.name, lease.root, time.monotonic() - began
             )
 
     def _hosts(self, hostname: str) -> str:
@@ -672,6 +674,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 service, self.environment_name, private, sifs[service.name], self.logger
             )
             self._sidecars[service.name] = sidecar
+            await self._lease_root(sidecar.container)
             binds = [*sidecar.container.mounts(), "-B", f"{private / 'hosts'}:/etc/hosts"]
             if self._own_network:
                 binds += ["-B", f"{private / 'resolv.conf'}:/etc/resolv.conf"]
@@ -933,9 +936,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 writable += self._volume_targets(self._compose.main.volumes)
             await self._main.stop(writable)
             self._main = None
-        if self._root_lease is not None:
-            self._root_lease.release()
-            self._root_lease = None
+        for lease in self._root_leases:
+            lease.release()
+        self._root_leases = []
         if self._egress is not None:
             await self._egress.close()
             self._egress = None

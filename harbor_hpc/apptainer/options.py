@@ -61,9 +61,12 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         description="`name:address,...` lines for the container's /etc/hosts, as "
         "`docker run --add-host` (a network allowlist resolves these names so too).",
     )
-    unpacked_roots: float = Field(
-        0,
+    unpacked_roots: float | None = Field(
+        None,
         ge=0,
-        description="GiB of images to keep unpacked in the scratch folder, from which task "
-        "containers start some four times as fast (fakeroot containers only).",
+        description="GiB of images to keep unpacked in the scratch folder, each at its first "
+        "start, from which task containers start some four times as fast (fakeroot containers, "
+        "users with a subuid range). Default: an image that starts again on the node, unpacked "
+        "in the background, up to a quarter of the disk's free space, never on a tmpfs; 0: "
+        "never.",
     )

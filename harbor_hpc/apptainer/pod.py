@@ -144,7 +144,7 @@ class Sidecar:
         env = {**self.container.image.env, **self.service.environment}
         self.container.stage(env)
         command = task_container_command(
-            self.container.sif,
+            self.container.image_path,
             flags,
             launcher(self.workdir),
             overlay=self.container.overlay,

@@ -55,7 +55,7 @@ from harbor_hpc.apptainer.runtime import (
 )
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.files import file_lock
+from harbor_hpc.core.files import file_lock, filesystem_type
 from harbor_hpc.core.probe import Finding, Status, current_user
 from harbor_hpc.core.proc import Ran, run
 from harbor_hpc.core.scratch import PrivateDir
@@ -252,7 +252,8 @@ def unpacked_roots_finding() -> Finding:
         return Finding(
             "unpacked roots",
             Status.OK,
-            "images unpack as fakeroot's root (`unpacked_roots`: starts without FUSE)",
+            "images unpack as fakeroot's root: one that starts again on a node runs from its "
+            "unpacked root there (`unpacked_roots`: starts without FUSE)",
         )
     return Finding(
         "unpacked roots",
@@ -657,24 +658,6 @@ def scratch_finding(folder: Path) -> Finding:
     if free < LOW_FREE_BYTES:
         return Finding("scratch space", Status.WARN, f"{detail}): images unpack to GiBs", fix)
     return Finding("scratch space", Status.OK, f"{detail}, {kind or 'local'})")
-
-
-def filesystem_type(path: Path) -> str:
-    """The type of the filesystem `path` is on, from /proc/mounts (empty when unknown)."""
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return ""
-    real, best, kind = str(path.resolve()), "", ""
-    for line in mounts:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind
 
 
 def trial_scratch_finding() -> Finding:

@@ -1,5 +1,11 @@
-"""Images unpacked on the node's own disk (`unpacked_roots`, opt-in): a container starts from the
-folder some four times as fast as from the .sif.
+"""Images unpacked on the node's own disk (`unpacked_roots`): a container starts from the folder
+some four times as fast as from the .sif.
+
+By default an image is unpacked where it pays: once it starts a second time on the node (an RL
+trainer restarts the same few images thousands of times), in the background, its own start
+running from the .sif meanwhile; on a disk, never a tmpfs; never past a quarter of the disk's
+free space (what the roots hold counted in). An image started once costs nothing but a mark.
+`unpacked_roots = N` (GiB) unpacks at an image's first start and keeps up to N GiB; 0 never.
 
 From a .sif, Apptainer (unprivileged) mounts the image with squashfuse and must stack the
 writable overlay on it with fuse-overlayfs: every file the container opens is a round trip
@@ -28,14 +34,16 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from harbor_hpc.apptainer.sif import RootPartition, root_partition
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.files import file_lock
+from harbor_hpc.core.files import file_lock, filesystem_type
 from harbor_hpc.core.proc import run
 from harbor_hpc.core.scratch import remove_private_dir
 
@@ -51,6 +59,13 @@ RETRY_AFTER_S = 600
 UNPACK_AS_ROOT = ("unshare", "--map-root-user", "--map-auto")
 # Room an unpack needs, in multiples of the compressed image.
 _GROWTH = 4
+# By default, the roots hold at most this share of their disk's free space (theirs counted in).
+AUTO_SHARE = 0.25
+GIB = 1 << 30
+
+# The roots this process is unpacking in the background (their keys), one thread each.
+_unpacking: set[str] = set()
+_unpacking_lock = threading.Lock()
 
 
 @dataclass
@@ -66,18 +81,24 @@ class Lease:
 
 
 class UnpackedRoots:
-    """This user's unpacked roots in `folder` (made 0700), at most `cap_bytes` of them beside
-    the ones in use."""
+    """This user's unpacked roots in `folder` (made 0700): at most `cap_bytes` of them beside
+    the ones in use, each unpacked at its image's first lease; or, with no cap (the default),
+    at most AUTO_SHARE of the disk's free space, each unpacked in the background from its
+    image's second lease on the node (the leases before it run from the .sif)."""
 
-    def __init__(self, folder: Path, cap_bytes: int) -> None:
+    def __init__(self, folder: Path, cap_bytes: int | None) -> None:
         self.folder = folder
         self.cap_bytes = cap_bytes
 
     @classmethod
-    def on_node(cls, scratch: Path | None, cap_gib: float) -> UnpackedRoots:
-        """The roots of this user in `scratch` (the node's temporary folder by default)."""
+    def on_node(cls, scratch: Path | None, cap_gib: float | None) -> UnpackedRoots | None:
+        """The roots of this user in `scratch` (the node's temporary folder by default); None
+        where there are none: `cap_gib` 0, or by default (None) a scratch folder in memory."""
         parent = scratch if scratch is not None else Path(tempfile.gettempdir())
-        return cls(parent / f"harbor-hpc-roots-{os.getuid()}", int(cap_gib * (1 << 30)))
+        folder = parent / f"harbor-hpc-roots-{os.getuid()}"
+        if cap_gib is None:
+            return None if filesystem_type(parent) == "tmpfs" else cls(folder, None)
+        return cls(folder, int(cap_gib * GIB)) if cap_gib > 0 else None
 
     def lease(self, sif: Path) -> Lease | None:
         """The unpacked root of `sif`, held until released; None when it runs from the .sif
@@ -101,23 +122,69 @@ class UnpackedRoots:
         with contextlib.suppress(FileNotFoundError):
             if time.time() - failed.stat().st_mtime < RETRY_AFTER_S:
                 return None
+        if self.cap_bytes is None and not root.is_dir():
+            self._unpack_later(sif, partition, key)
+            return None
         for _ in range(5):
             fd = self._hold(key)
             if fd is None:
                 continue  # removed while we waited for it: again
             try:
                 with file_lock(self.folder / f".{key}.lock", timeout=UNPACK_TIMEOUT_S):
-                    if not root.is_dir() and not self._unpack(sif, partition, key):
-                        with contextlib.suppress(OSError):
-                            failed.touch()
-                        os.close(fd)
-                        return None
+                    if not root.is_dir():
+                        # By default never here (removed meanwhile): the .sif this time.
+                        unpacked = self.cap_bytes is not None and self._unpack(sif, partition, key)
+                        if not unpacked:
+                            if self.cap_bytes is not None:
+                                with contextlib.suppress(OSError):
+                                    failed.touch()
+                            os.close(fd)
+                            return None
                 os.utime(self.folder / f"{key}.use")
             except BaseException:
                 os.close(fd)
                 raise
             return Lease(root, fd)
         return None
+
+    def _unpack_later(self, sif: Path, partition: RootPartition, key: str) -> None:
+        """By default: the image's first lease on the node only marks it seen; a later one
+        unpacks it in a thread of its own, under the root's lock (one unpack on the node)."""
+        seen = self.folder / f"{key}.seen"
+        if not seen.exists():
+            seen.touch()
+            return
+        with _unpacking_lock:
+            if key in _unpacking:
+                return
+            _unpacking.add(key)
+        threading.Thread(
+            target=self._unpack_in_background,
+            args=(sif, partition, key),
+            name=f"harbor-hpc-unpack-{key[:8]}",
+            daemon=True,
+        ).start()
+
+    def _unpack_in_background(self, sif: Path, partition: RootPartition, key: str) -> None:
+        try:
+            with file_lock(self.folder / f".{key}.lock", timeout=UNPACK_TIMEOUT_S):
+                if (self.folder / key).is_dir():
+                    return  # another process of the node's made it meanwhile
+                began = time.monotonic()
+                if self._unpack(sif, partition, key):
+                    (self.folder / f"{key}.use").touch()  # used now: last to go
+                    log.info(
+                        "unpacked roots: %s unpacked for its next starts (%.1f s)",
+                        sif,
+                        time.monotonic() - began,
+                    )
+                else:
+                    (self.folder / f"{key}.failed").touch()
+        except (OSError, HarborHpcError) as exc:
+            log.warning("unpacked roots: %s: %s: it runs from its .sif", sif, exc)
+        finally:
+            with _unpacking_lock:
+                _unpacking.discard(key)
 
     def _ours(self) -> bool:
         """Make the folder (0700); False when it is not this user's own."""
@@ -146,7 +213,9 @@ class UnpackedRoots:
         return None
 
     def _unpack(self, sif: Path, partition: RootPartition, key: str) -> bool:
-        self._make_room(partition.size * _GROWTH, keep=key)
+        if not self._make_room(partition.size * _GROWTH, keep=key):
+            log.info("unpacked roots: no room for %s under the share of the disk: its .sif", sif)
+            return False
         partial = self.folder / f".{key}.partial"  # what a killed unpack left goes first
         remove_private_dir(partial)
         done = run(
@@ -173,14 +242,18 @@ class UnpackedRoots:
         os.rename(partial, self.folder / key)
         return True
 
-    def _make_room(self, need: int, *, keep: str) -> None:
+    def _make_room(self, need: int, *, keep: str) -> bool:
         """Remove the least recently used roots no container uses until `need` more bytes fit
-        under the cap."""
+        under the cap. Whether they fit; a cap the user gave may be passed (the roots in use
+        stay), the default share of the disk never."""
         sizes = {}
         for path in self.folder.glob("*.size"):
             with contextlib.suppress(OSError, ValueError):
                 sizes[path.name.removesuffix(".size")] = int(path.read_text())
         total = sum(sizes.values())
+        cap = self.cap_bytes
+        if cap is None:
+            cap = int((shutil.disk_usage(self.folder).free + total) * AUTO_SHARE)
 
         def last_used(key: str) -> float:
             try:
@@ -189,10 +262,11 @@ class UnpackedRoots:
                 return 0.0
 
         for key in sorted(sizes, key=last_used):
-            if total + need <= self.cap_bytes:
-                return
+            if total + need <= cap:
+                return True
             if key != keep and self._remove_unused(key):
                 total -= sizes[key]
+        return total + need <= cap or self.cap_bytes is not None
 
     def _remove_unused(self, key: str) -> bool:
         """Remove the root `key` if no container uses it; True when it is gone."""

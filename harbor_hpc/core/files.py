@@ -318,3 +318,21 @@ def _say_holder(fd: int, text: str) -> None:
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.pwrite(fd, text.encode(), 0)
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` is on, from /proc/mounts (empty when unknown)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    real, best, kind = str(path.resolve()), "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind

@@ -15,6 +15,7 @@ import pytest
 
 from harbor_hpc.apptainer.errors import MemoryLimitExceededError, UnsupportedTask
 from harbor_hpc.apptainer.pod import image_healthcheck
+from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.sif import ImageConfig
 from harbor_hpc.tasks.compose import (
     Healthcheck,
@@ -152,13 +153,21 @@ services:
 
 
 @pytest.mark.apptainer
+@pytest.mark.parametrize("roots", [0, 2], ids=["from-sif", "unpacked-roots"])
 def test_services_run_beside_the_task_as_docker_compose_runs_them(
-    debian_sif: Path, tmp_path: Path
+    debian_sif: Path, tmp_path: Path, roots: int
 ) -> None:
+    """The same pod from the .sif, and with every container (services too) from the image
+    unpacked on the node (`unpacked_roots`, the kernel's overlayfs), where the user can."""
     env_dir = tmp_path / "environment"
     write_compose(env_dir, POD.format(image=debian_sif, probe=PROBE))
-    environment = make_environment(str(debian_sif), tmp_path, env_dir, mb=1024)
+    environment = make_environment(
+        str(debian_sif), tmp_path, env_dir, mb=1024, unpacked_roots=roots,
+        scratch_dir=str(tmp_path / "scratch"),
+    )  # fmt: skip
     assert environment.capabilities.docker_compose
+    mounts = "grep ' / ' /proc/mounts | cut -d' ' -f3"
+    unpacked = bool(roots) and not missing_subid_ranges()
 
     async def scenario() -> dict[str, str]:
         await environment.start(force_build=False)
@@ -175,6 +184,9 @@ def test_services_run_beside_the_task_as_docker_compose_runs_them(
                 service="api",
             )
             seen["api"] = api.stdout
+            seen["roots"] = (await environment.exec(mounts)).stdout + (
+                await environment.service_exec(mounts, service="api")
+            ).stdout
             seen["shared"] = (await environment.exec("cat /shared/note")).stdout
             await environment.service_download_file("/etc/hostname", tmp_path / "h", service="api")
             seen["download"] = (tmp_path / "h").read_text()
@@ -198,6 +210,7 @@ def test_services_run_beside_the_task_as_docker_compose_runs_them(
     assert seen["api"].split() == ["0", "api", "/srv", "hi"]
     assert seen["shared"] == "from-api\n" and seen["download"] == "api\n"
     assert seen["after"] == "up\n"
+    assert seen["roots"] == ("overlay\n" if unpacked else "fuse.fuse-overlayfs\n") * 2
     assert list(tmp_path.glob("trial/**/harbor-hpc-env-*")) == []
 
 

@@ -1,6 +1,7 @@
 """Images unpacked on the node's disk (`unpacked_roots`): shared, kept owned as in the image,
 removed least recently used first but never while a container runs from them, and the .sif
-whenever unpacking fails. Real unsquashfs, unshare and Apptainer, as the tester."""
+whenever unpacking fails; by default from an image's second start, in the background, on a disk
+and under a share of its free space. Real unsquashfs, unshare and Apptainer, as the tester."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import asyncio
 import os
 import shutil
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
 from tests.apptainer.test_environment import started
 from tests.support.processes import container_processes, gone_within, processes_naming
@@ -120,3 +123,62 @@ def test_a_roots_folder_of_someone_else_is_not_used(debian_sif: Path, tmp_path: 
     roots.folder.chmod(0o755)  # open to others: not a private folder
     assert roots.lease(debian_sif) is None
     assert roots_in(roots.folder) == []
+
+
+def root_mount(environment_folder: Path, sif: Path, scratch: Path) -> str:
+    """The type of the file system at / in a container started by default options."""
+
+    async def main() -> str:
+        async with started(sif, environment_folder, scratch_dir=str(scratch)) as environment:
+            ran = await environment.exec("grep ' / ' /proc/mounts | cut -d' ' -f3")
+            return (ran.stdout or "").strip()
+
+    return asyncio.run(main())
+
+
+def wait_for_root(folder: Path, seconds: float = 120) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while not (folder.is_dir() and roots_in(folder)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return roots_in(folder) if folder.is_dir() else []
+
+
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_by_default_an_image_that_starts_again_is_unpacked_in_the_background(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """The first start only marks the image seen; the second runs from the .sif too and unpacks
+    it meanwhile; the starts after it run from the root (the kernel's overlayfs)."""
+    image = copy_of(debian_sif, tmp_path / "images", "once-then-again.sif")
+    scratch = tmp_path / "scratch"
+    folder = scratch / f"harbor-hpc-roots-{os.getuid()}"
+    assert root_mount(tmp_path / "first", image, scratch) == "fuse.fuse-overlayfs"
+    assert roots_in(folder) == []
+    assert root_mount(tmp_path / "second", image, scratch) == "fuse.fuse-overlayfs"
+    assert len(wait_for_root(folder)) == 1
+    assert root_mount(tmp_path / "third", image, scratch) == "overlay"
+    assert gone_within(10, lambda: container_processes(image)) == []
+
+
+def test_by_default_no_roots_in_memory_nor_past_a_share_of_the_disk(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    assert UnpackedRoots.on_node(Path("/dev/shm"), None) is None  # a tmpfs: never
+    assert UnpackedRoots.on_node(tmp_path, 0) is None  # asked for none
+    roots = UnpackedRoots.on_node(tmp_path, None)
+    assert roots is not None and roots.cap_bytes is None
+
+
+@pytest.mark.small_disk
+def test_by_default_an_image_past_a_quarter_of_the_disk_stays_packed(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """The image (some 60 MB packed) would fit the disk of 400 MB, not a quarter of it."""
+    with small_disk(tmp_path, megabytes=400) as disk:
+        roots = UnpackedRoots(disk / "roots", cap_bytes=None)
+        assert roots.lease(debian_sif) is None and roots.lease(debian_sif) is None
+        deadline = time.monotonic() + 60
+        while not list(roots.folder.glob("*.failed")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [path.suffix for path in roots.folder.glob("*.failed")] == [".failed"]
+        assert roots_in(roots.folder) == []
