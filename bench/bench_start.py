@@ -223,6 +223,7 @@ def factories(sif: Path, harbor_too: bool, roots: Path) -> dict[str, Factory]:
         return make_environment(SingularityEnvironment, sif, folder, name, 4096, unpacked_roots=0)
 
     def once(folder: Path, name: str) -> BaseEnvironment:
+        folder.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=folder))  # a node new to it
         return make_environment(
             SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(scratch)
