@@ -10,11 +10,10 @@ starts at once (all ready; Apptainer's with the breakdown's last row too: on a s
 are CPU-bound), exec round trips of `true` (p50, p99), and a bare `true` spawned in the
 container (posix_spawn and wait, timed inside: the floor of any exec).
 
-Ours three ways: from the .sif (`unpacked_roots=0`, as before roots were the default), by
-default with an image used once (each start a node, to the roots, that has not seen it: a
-scratch folder of its own), and by default with an image reused (the same scratch folder: its
-second start unpacked it in the background, waited for before the measured starts; the time
-that took is printed).
+Ours three ways: from the .sif (the default), and with `unpacked_roots=auto` an image used once
+(each start a node, to the roots, that has not seen it: a scratch folder of its own) and an
+image reused (the same scratch folder: its second start unpacked it in the background, waited
+for before the measured starts; the time that took is printed).
 
 NeMo Gym is not a dependency: give `--nemo-python` a python of a venv with `nemo-gym` (e.g.
 `uv venv V && VIRTUAL_ENV=V uv pip install nemo-gym`); its rows are left out without one.
@@ -56,10 +55,10 @@ from harbor_hpc.apptainer.watchdog import kill_processes
 from harbor_hpc.core.scratch import remove_private_dir
 
 AT_ONCE = 16
-# Ours from the .sif, and by default with an image used once and with one reused.
+# Ours from the .sif, and with unpacked_roots=auto an image used once and one reused.
 FROM_SIF = "harbor-hpc (.sif)"
-ONCE = "harbor-hpc, image used once"
-REUSED = "harbor-hpc, image reused"
+ONCE = "harbor-hpc auto, used once"
+REUSED = "harbor-hpc auto, reused"
 APPTAINER_FLAGS = ("--fakeroot", "--contain", "--ipc", "--pid", "--net", "--network", "none")
 # A bare `true` spawned and waited for inside the container, timed there (ms per spawn, sorted).
 BARE_TRUE = (
@@ -220,19 +219,21 @@ def nemo_gym(python: str | None, sif: Path, rounds: int, execs: int) -> dict[str
 
 def factories(sif: Path, harbor_too: bool, roots: Path) -> dict[str, Factory]:
     def from_sif(folder: Path, name: str) -> BaseEnvironment:
-        return make_environment(SingularityEnvironment, sif, folder, name, 4096, unpacked_roots=0)
+        return make_environment(SingularityEnvironment, sif, folder, name, 4096)
 
     def once(folder: Path, name: str) -> BaseEnvironment:
         folder.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=folder))  # a node new to it
         return make_environment(
-            SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(scratch)
-        )
+            SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(scratch),
+            unpacked_roots="auto",
+        )  # fmt: skip
 
     def reused(folder: Path, name: str) -> BaseEnvironment:
         return make_environment(
-            SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(roots)
-        )
+            SingularityEnvironment, sif, folder, name, 4096, scratch_dir=str(roots),
+            unpacked_roots="auto",
+        )  # fmt: skip
 
     def harbor(folder: Path, name: str) -> BaseEnvironment:
         return make_environment(HarborSingularity, sif, folder, name, 4096)
@@ -241,7 +242,7 @@ def factories(sif: Path, harbor_too: bool, roots: Path) -> dict[str, Factory]:
     return {**chosen, "harbor": harbor} if harbor_too else chosen
 
 
-async def unpacked_by_default(factory: Factory, roots: Path) -> float:
+async def unpacked_when_reused(factory: Factory, roots: Path) -> float:
     """Start the image twice as a reused one starts (the second start unpacks it in the
     background), then wait for its root: the seconds until it is there."""
     began = time.perf_counter()
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     crowd: dict[str, tuple[float, int]] = {}
     roots = Path(tempfile.mkdtemp(prefix="bench-start-roots-"))
     made = factories(sif, not args.without_harbor, roots)
-    unpack = asyncio.run(unpacked_by_default(made[REUSED], roots))
+    unpack = asyncio.run(unpacked_when_reused(made[REUSED], roots))
     for name, factory in made.items():
         print(f"measuring {name} ...", flush=True)
         results[name] = asyncio.run(measure(factory, args.rounds, args.execs))

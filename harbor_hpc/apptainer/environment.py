@@ -68,6 +68,7 @@ from harbor_hpc.apptainer.limits import (
     IN_MEMORY,
     ONE_ID,
     ROOT_MAPPED,
+    UNPACKED_ROOT,
     WRITABLE_TMPFS,
     node_network,
     write_limits,
@@ -452,6 +453,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         limits = []
         if self._main.root_user is None:
             limits.append(AS_YOU)
+        if self._main.root is not None:
+            limits.append(UNPACKED_ROOT)
         elif ROOT_MAPPED in self._main.stderr_text():
             limits.append(ONE_ID)
         if self._network_problem is not None:

@@ -31,6 +31,10 @@ WRITABLE_TMPFS = (
     "size` and not counted against its memory_mb"
 )
 AS_YOU = "runs as you, not as root (fakeroot=false): tasks that need root fail"
+UNPACKED_ROOT = (
+    "runs from its image unpacked on the node (unpacked_roots: the kernel's overlayfs in a user "
+    "namespace): renaming a directory fails (EXDEV), so dpkg cannot install packages"
+)
 
 
 def node_network(problem: str) -> str:

@@ -6,6 +6,7 @@ the command line imports at start: this one loads Harbor and pydantic."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 from harbor.environments.options import EnvironmentOptions
 from pydantic import Field
@@ -61,12 +62,12 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         description="`name:address,...` lines for the container's /etc/hosts, as "
         "`docker run --add-host` (a network allowlist resolves these names so too).",
     )
-    unpacked_roots: float | None = Field(
-        None,
-        ge=0,
-        description="GiB of images to keep unpacked in the scratch folder, each at its first "
-        "start, from which task containers start some four times as fast (fakeroot containers, "
-        "users with a subuid range). Default: an image that starts again on the node, unpacked "
-        "in the background, up to a quarter of the disk's free space, never on a tmpfs; 0: "
-        "never.",
+    unpacked_roots: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+        0,
+        description="Run task containers from their images unpacked in the scratch folder, some "
+        "four times as fast to start, but renaming a directory fails there (dpkg cannot install "
+        "packages): `auto` unpacks an image that starts again on the node, in the background, "
+        "up to a quarter of the disk's free space, never on a tmpfs; N keeps up to N GiB, each "
+        "image unpacked at its first start; 0 (the default) never. Fakeroot containers of "
+        "users with a subuid range only.",
     )

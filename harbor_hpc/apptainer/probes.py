@@ -252,8 +252,7 @@ def unpacked_roots_finding() -> Finding:
         return Finding(
             "unpacked roots",
             Status.OK,
-            "images unpack as fakeroot's root: one that starts again on a node runs from its "
-            "unpacked root there (`unpacked_roots`: starts without FUSE)",
+            "images unpack as fakeroot's root (`unpacked_roots`: starts without FUSE)",
         )
     return Finding(
         "unpacked roots",

@@ -1,11 +1,13 @@
 """Images unpacked on the node's own disk (`unpacked_roots`): a container starts from the folder
 some four times as fast as from the .sif.
 
-By default an image is unpacked where it pays: once it starts a second time on the node (an RL
-trainer restarts the same few images thousands of times), in the background, its own start
-running from the .sif meanwhile; on a disk, never a tmpfs; never past a quarter of the disk's
-free space (what the roots hold counted in). An image started once costs nothing but a mark.
-`unpacked_roots = N` (GiB) unpacks at an image's first start and keeps up to N GiB; 0 never.
+Opt-in, for what it costs in fidelity: the kernel's overlayfs in a user namespace refuses to
+rename a directory (EXDEV), so dpkg cannot install packages there; a trial that runs so says it.
+`unpacked_roots = "auto"` unpacks an image where it pays: once it starts a second time on the
+node (an RL trainer restarts the same few images thousands of times), in the background, its
+own start running from the .sif meanwhile; on a disk, never a tmpfs; never past a quarter of
+the disk's free space (what the roots hold counted in). An image started once costs nothing but
+a mark. `unpacked_roots = N` (GiB) unpacks at an image's first start and keeps up to N GiB.
 
 From a .sif, Apptainer (unprivileged) mounts the image with squashfuse and must stack the
 writable overlay on it with fuse-overlayfs: every file the container opens is a round trip
@@ -59,7 +61,7 @@ RETRY_AFTER_S = 600
 UNPACK_AS_ROOT = ("unshare", "--map-root-user", "--map-auto")
 # Room an unpack needs, in multiples of the compressed image.
 _GROWTH = 4
-# By default, the roots hold at most this share of their disk's free space (theirs counted in).
+# "auto": the roots hold at most this share of their disk's free space (theirs counted in).
 AUTO_SHARE = 0.25
 GIB = 1 << 30
 
@@ -82,23 +84,23 @@ class Lease:
 
 class UnpackedRoots:
     """This user's unpacked roots in `folder` (made 0700): at most `cap_bytes` of them beside
-    the ones in use, each unpacked at its image's first lease; or, with no cap (the default),
-    at most AUTO_SHARE of the disk's free space, each unpacked in the background from its
-    image's second lease on the node (the leases before it run from the .sif)."""
+    the ones in use, each unpacked at its image's first lease; or, with no cap ("auto"), at
+    most AUTO_SHARE of the disk's free space, each unpacked in the background from its image's
+    second lease on the node (the leases before it run from the .sif)."""
 
     def __init__(self, folder: Path, cap_bytes: int | None) -> None:
         self.folder = folder
         self.cap_bytes = cap_bytes
 
     @classmethod
-    def on_node(cls, scratch: Path | None, cap_gib: float | None) -> UnpackedRoots | None:
-        """The roots of this user in `scratch` (the node's temporary folder by default); None
-        where there are none: `cap_gib` 0, or by default (None) a scratch folder in memory."""
+    def on_node(cls, scratch: Path | None, cap: float | str) -> UnpackedRoots | None:
+        """The roots of this user in `scratch` (the node's temporary folder by default), `cap`
+        GiB of them or "auto"; None where there are none: `cap` 0, or "auto" on a tmpfs."""
         parent = scratch if scratch is not None else Path(tempfile.gettempdir())
         folder = parent / f"harbor-hpc-roots-{os.getuid()}"
-        if cap_gib is None:
+        if cap == "auto":
             return None if filesystem_type(parent) == "tmpfs" else cls(folder, None)
-        return cls(folder, int(cap_gib * GIB)) if cap_gib > 0 else None
+        return cls(folder, int(float(cap) * GIB)) if float(cap) > 0 else None
 
     def lease(self, sif: Path) -> Lease | None:
         """The unpacked root of `sif`, held until released; None when it runs from the .sif
@@ -132,7 +134,7 @@ class UnpackedRoots:
             try:
                 with file_lock(self.folder / f".{key}.lock", timeout=UNPACK_TIMEOUT_S):
                     if not root.is_dir():
-                        # By default never here (removed meanwhile): the .sif this time.
+                        # "auto" never unpacks here (removed meanwhile): the .sif this time.
                         unpacked = self.cap_bytes is not None and self._unpack(sif, partition, key)
                         if not unpacked:
                             if self.cap_bytes is not None:
@@ -148,7 +150,7 @@ class UnpackedRoots:
         return None
 
     def _unpack_later(self, sif: Path, partition: RootPartition, key: str) -> None:
-        """By default: the image's first lease on the node only marks it seen; a later one
+        """ "auto": the image's first lease on the node only marks it seen; a later one
         unpacks it in a thread of its own, under the root's lock (one unpack on the node)."""
         seen = self.folder / f"{key}.seen"
         if not seen.exists():
@@ -244,8 +246,8 @@ class UnpackedRoots:
 
     def _make_room(self, need: int, *, keep: str) -> bool:
         """Remove the least recently used roots no container uses until `need` more bytes fit
-        under the cap. Whether they fit; a cap the user gave may be passed (the roots in use
-        stay), the default share of the disk never."""
+        under the cap. Whether they fit; a cap in GiB may be passed (the roots in use stay),
+        the share of the disk ("auto") never."""
         sizes = {}
         for path in self.folder.glob("*.size"):
             with contextlib.suppress(OSError, ValueError):

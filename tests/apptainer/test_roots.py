@@ -1,7 +1,8 @@
 """Images unpacked on the node's disk (`unpacked_roots`): shared, kept owned as in the image,
 removed least recently used first but never while a container runs from them, and the .sif
-whenever unpacking fails; by default from an image's second start, in the background, on a disk
-and under a share of its free space. Real unsquashfs, unshare and Apptainer, as the tester."""
+whenever unpacking fails; with `auto` from an image's second start, in the background, on a disk
+and under a share of its free space. A trial run so says so (directories cannot be renamed
+there). Real unsquashfs, unshare and Apptainer, as the tester."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harbor_hpc.apptainer.limits import UNPACKED_ROOT, read_limits
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
 from tests.apptainer.test_environment import started
@@ -33,7 +35,8 @@ def copy_of(sif: Path, folder: Path, name: str) -> Path:
 
 
 def roots_in(folder: Path) -> list[str]:
-    return sorted(path.name for path in folder.iterdir() if path.is_dir())
+    """The roots made (not one being made: `.KEY.partial`)."""
+    return sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def test_containers_run_from_one_unpacked_root(debian_sif: Path, tmp_path: Path) -> None:
@@ -126,12 +129,16 @@ def test_a_roots_folder_of_someone_else_is_not_used(debian_sif: Path, tmp_path: 
 
 
 def root_mount(environment_folder: Path, sif: Path, scratch: Path) -> str:
-    """The type of the file system at / in a container started by default options."""
+    """The type of the file system at / in a container started with `unpacked_roots=auto`,
+    and whether its trial says it ran from an unpacked root."""
 
     async def main() -> str:
-        async with started(sif, environment_folder, scratch_dir=str(scratch)) as environment:
+        async with started(
+            sif, environment_folder, scratch_dir=str(scratch), unpacked_roots="auto"
+        ) as environment:
             ran = await environment.exec("grep ' / ' /proc/mounts | cut -d' ' -f3")
-            return (ran.stdout or "").strip()
+            said = UNPACKED_ROOT in read_limits(environment_folder / "trial")
+            return (ran.stdout or "").strip() + (" (said)" if said else "")
 
     return asyncio.run(main())
 
@@ -144,7 +151,7 @@ def wait_for_root(folder: Path, seconds: float = 120) -> list[str]:
 
 
 @pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
-def test_by_default_an_image_that_starts_again_is_unpacked_in_the_background(
+def test_auto_unpacks_an_image_that_starts_again_in_the_background(
     debian_sif: Path, tmp_path: Path
 ) -> None:
     """The first start only marks the image seen; the second runs from the .sif too and unpacks
@@ -156,21 +163,19 @@ def test_by_default_an_image_that_starts_again_is_unpacked_in_the_background(
     assert roots_in(folder) == []
     assert root_mount(tmp_path / "second", image, scratch) == "fuse.fuse-overlayfs"
     assert len(wait_for_root(folder)) == 1
-    assert root_mount(tmp_path / "third", image, scratch) == "overlay"
+    assert root_mount(tmp_path / "third", image, scratch) == "overlay (said)"
     assert gone_within(10, lambda: container_processes(image)) == []
 
 
-def test_by_default_no_roots_in_memory_nor_past_a_share_of_the_disk(
-    debian_sif: Path, tmp_path: Path
-) -> None:
-    assert UnpackedRoots.on_node(Path("/dev/shm"), None) is None  # a tmpfs: never
-    assert UnpackedRoots.on_node(tmp_path, 0) is None  # asked for none
-    roots = UnpackedRoots.on_node(tmp_path, None)
+def test_auto_puts_no_roots_in_memory(tmp_path: Path) -> None:
+    assert UnpackedRoots.on_node(Path("/dev/shm"), "auto") is None  # a tmpfs: never
+    assert UnpackedRoots.on_node(tmp_path, 0) is None  # the default: none
+    roots = UnpackedRoots.on_node(tmp_path, "auto")
     assert roots is not None and roots.cap_bytes is None
 
 
 @pytest.mark.small_disk
-def test_by_default_an_image_past_a_quarter_of_the_disk_stays_packed(
+def test_auto_leaves_an_image_past_a_quarter_of_the_disk_packed(
     debian_sif: Path, tmp_path: Path
 ) -> None:
     """The image (some 60 MB packed) would fit the disk of 400 MB, not a quarter of it."""
