@@ -91,6 +91,7 @@ from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
     OVERLAY_OFF,
     OVERLAY_OFF_FIX,
+    SANDBOX_REFUSED,
     refuses_overlay_folders,
     run_flags,
     task_container_command,
@@ -603,6 +604,15 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             await self._main.launch(self._command(flags))
         except ContainerStartFailed as exc:
             said = str(exc)
+            if self._main.root is not None and SANDBOX_REFUSED in said:
+                # The site allows no directory container (`allow container dir = no`): not
+                # its unpacked root, then; from its .sif (the overlay folder is tried next).
+                self.logger.warning(
+                    "task %s: %s: runs from its .sif", self.environment_name, SANDBOX_REFUSED
+                )
+                self._main.root = None
+                await self._launch(flags)
+                return
             if OVERLAY_OFF in said:
                 raise ContainerStartFailed(
                     f"task {self.environment_name}: this node's apptainer.conf turns overlays "

@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harbor.models.task.config import EnvironmentConfig
@@ -19,7 +20,7 @@ from harbor.models.trial.paths import TrialPaths
 from harbor_hpc.apptainer import probes, runtime
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.errors import ContainerStartFailed
-from harbor_hpc.apptainer.limits import WRITABLE_TMPFS, read_limits
+from harbor_hpc.apptainer.limits import UNPACKED_ROOT, WRITABLE_TMPFS, read_limits
 from harbor_hpc.core.probe import Finding, Status
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
@@ -61,7 +62,7 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Policy]:
     forget()
 
 
-def environment(image: Path, folder: Path) -> SingularityEnvironment:
+def environment(image: Path, folder: Path, **kwargs: Any) -> SingularityEnvironment:
     trial_paths = TrialPaths(folder / "trial")
     trial_paths.mkdir()
     return SingularityEnvironment(
@@ -71,6 +72,7 @@ def environment(image: Path, folder: Path) -> SingularityEnvironment:
         trial_paths=trial_paths,
         task_env_config=EnvironmentConfig(docker_image=str(image)),
         logger=logging.getLogger("test"),
+        **kwargs,
     )
 
 
@@ -100,15 +102,19 @@ def test_doctor_says_what_each_policy_leaves(
     assert fix in (found.fix or ""), found
 
 
+@pytest.mark.parametrize("roots", [0, 2], ids=["from-sif", "unpacked-roots-asked"])
 def test_no_overlay_folders_write_in_memory_and_say_so(
-    site: Policy, debian_sif: Path, tmp_path: Path
+    site: Policy, debian_sif: Path, tmp_path: Path, roots: int
 ) -> None:
     """`allow container dir = no`: an overlay folder is a sandbox to Apptainer, so the
-    container writes in memory (--writable-tmpfs), and its trial says so."""
+    container writes in memory (--writable-tmpfs), and its trial says so; an unpacked root
+    (`unpacked_roots`), a sandbox too, gives way to the .sif."""
     site("allow container dir", "no")
 
     async def main() -> str:
-        env = environment(debian_sif, tmp_path / "env")
+        env = environment(
+            debian_sif, tmp_path / "env", unpacked_roots=roots, scratch_dir=str(tmp_path / "s")
+        )
         await env.start(force_build=False)
         try:
             made = await env.exec("echo 42 > /root/answer && id -u && cat /root/answer")
@@ -117,7 +123,8 @@ def test_no_overlay_folders_write_in_memory_and_say_so(
             await env.stop(delete=True)
 
     assert asyncio.run(main()) == "0\n42\n"
-    assert WRITABLE_TMPFS in read_limits(tmp_path / "env" / "trial")
+    limits = read_limits(tmp_path / "env" / "trial")
+    assert WRITABLE_TMPFS in limits and UNPACKED_ROOT not in limits
 
 
 def test_overlays_off_refuse_to_start_naming_the_setting(
