@@ -67,6 +67,8 @@ class Fleet:
     exec_p90: float  # ms
     watchdog_checks: float | None  # our watchdog's looks at each tree per minute, idle
     left: int  # processes still running after stop
+    descriptors: float  # this process's open files per environment
+    tasks: float  # the user's processes and threads per environment (RLIMIT_NPROC counts them)
 
     def row(self) -> dict[str, float]:
         return {
@@ -75,7 +77,21 @@ class Fleet:
             "tree PSS MB/env": self.tree_pss,
             "exec p50 ms": self.exec_p50,
             "exec p90 ms": self.exec_p90,
+            "open files/env": self.descriptors,
+            "tasks/env": self.tasks,
         }
+
+
+def own_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def threads(processes: list[psutil.Process]) -> int:
+    counted = 0
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            counted += process.num_threads()
+    return counted
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> dict[tuple[int, float], float]:
@@ -161,12 +177,17 @@ async def measure(
             make_environment(cls, sif, Path(scratch) / f"trial-{index}", "fleet", 4096)
             for index in range(size)
         ]
+        fds_before, threads_before = own_descriptors(), psutil.Process().num_threads()
         try:
             began = time.perf_counter()
             turns = asyncio.Semaphore(concurrency or size)
             await asyncio.gather(*(ready(environment, turns) for environment in environments))
             ready_sec = time.perf_counter() - began
             await asyncio.sleep(SETTLE_SEC)
+            descriptors = (own_descriptors() - fds_before) / size
+            tasks = (
+                threads(trees(environments)) + psutil.Process().num_threads() - threads_before
+            ) / size
             ours = [env for env in environments if isinstance(env, SingularityEnvironment)]
             watchdogs = [env._watchdog for env in ours if env._watchdog is not None]
             checks = sum(watchdog.checks for watchdog in watchdogs)
@@ -193,6 +214,8 @@ async def measure(
         exec_p90=latencies[int(len(latencies) * 0.9)] * 1000,
         watchdog_checks=checks / len(watchdogs) / idle_sec * 60 if watchdogs else None,
         left=len(left),
+        descriptors=descriptors,
+        tasks=tasks,
     )
 
 

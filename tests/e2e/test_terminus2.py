@@ -22,7 +22,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from harbor_hpc.apptainer.limits import ONE_ID
+from harbor_hpc.apptainer.limits import ONE_ID, UNPACKED_ROOT
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.results.rollout import SCHEMA_FILE
 from tests.support.cli import cli, cli_json
@@ -163,7 +163,9 @@ def test_terminus2_gets_reward_one_by_harbor_trial_and_through_submit_on_slurm(
     assert_solved_with_the_servers_tokens(run_dir / "trials" / status["trial"], slurm_llm)
     roots = scratch / f"harbor-hpc-roots-{os.getuid()}"
     # Unpacked where the user's subuid range lets the unpack keep the image's owners.
-    assert bool([path for path in roots.iterdir() if path.is_dir()]) == (not missing_subid_ranges())
+    unpacked = roots.is_dir() and any(path.is_dir() for path in roots.iterdir())
+    assert unpacked == (not missing_subid_ranges())
+    assert (UNPACKED_ROOT in status["limits"]) == unpacked  # and the trial says it ran so
 
     sent = slurm_llm.exchanges
     (line,) = export(run_dir, "full", tmp_path)
