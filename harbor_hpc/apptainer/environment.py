@@ -85,7 +85,7 @@ from harbor_hpc.apptainer.network import (
 )
 from harbor_hpc.apptainer.options import SingularityOptions
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
-from harbor_hpc.apptainer.probes import install_problem, missing_subid_ranges
+from harbor_hpc.apptainer.probes import install_problem, missing_subid_ranges, ran_out
 from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
@@ -122,12 +122,14 @@ SINGULARITY_OPTIONS = frozenset(SingularityOptions.model_fields)
 
 @functools.cache
 def _allow_open_files() -> None:
-    """Raise this process's soft limit of open files to its hard limit, once: each open
-    environment holds a dozen descriptors (pipes, pidfds, /proc files), so a trainer's fleet of
-    a few hundred outgrows the usual soft limit of 1024 while the hard one allows far more."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    """Raise this process's soft limits of open files and of processes to their hard limits:
+    each open environment holds some nine descriptors (pipes, pidfds, /proc files) and its
+    container some 25 processes and threads, so a trainer's fleet of a few hundred outgrows the
+    usual soft limits (1024 files, say) while the hard ones allow far more."""
+    for limit in (resource.RLIMIT_NOFILE, resource.RLIMIT_NPROC):
+        soft, hard = resource.getrlimit(limit)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(limit, (hard, hard))
 
 
 # Variables every shell sets for itself: not something setup.sh chose to export.
@@ -619,7 +621,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                     f"off (enable overlay = no): {OVERLAY_OFF_FIX}"
                 ) from exc
             if writes_in_memory() or not refuses_overlay_folders(said):
-                raise
+                limit = ran_out(said)
+                if limit is None:
+                    raise
+                raise ContainerStartFailed(f"{said}\n{limit}") from exc
             # The site allows no overlay folder: the container writes in memory instead.
             await self._main.launch(self._command(flags))
         server = self._main.server_pid()

@@ -13,10 +13,12 @@ never an exception.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+import resource
 import shutil
 import sys
 import tempfile
@@ -93,6 +95,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         network_policy_finding(),
         compose_finding(),
         gpu_finding(),
+        fleet_finding(),
     ]
     if userns.status is not Status.OK and not _is_setuid_root(_suid_starter_path(build_config)):
         found.append(
@@ -365,6 +368,74 @@ def compose_finding() -> Finding:
         "services run beside the task on the node's network (their ports collide with other "
         "users')",
         network_hint(),
+    )
+
+
+# What one idle environment holds, measured at 16 to 512 at once (bench/bench_fleet.py): its
+# container's processes and threads (ulimit -u counts each), its process's open files, and the
+# memory (PSS) of its container's tree; and a user namespace.
+TASKS_PER_ENVIRONMENT = 25
+FILES_PER_ENVIRONMENT = 9
+MB_PER_ENVIRONMENT = 25
+# A node that holds fewer of one user's environments at once than this is worth a warning.
+FLEET_WARN_BELOW = 256
+# What Apptainer and the kernel say when a limit of the node runs out, and which limit it is.
+_RAN_OUT = {
+    "Resource temporarily unavailable": "processes and threads (ulimit -u)",
+    "Too many open files": "open files (ulimit -n)",
+    "Cannot allocate memory": "memory",
+    "No space left on device": "user namespaces (user.max_user_namespaces) or disk space",
+}
+
+
+def ran_out(said: str) -> str | None:
+    """Which of the node's limits a failed start's words `said` name, as a sentence; None."""
+    for words, limit in _RAN_OUT.items():
+        if words in said:
+            return (
+                f"this node ran out of {limit} for you ({words!r}): each environment holds about "
+                f"{TASKS_PER_ENVIRONMENT} processes and threads, {FILES_PER_ENVIRONMENT} open "
+                f"files and {MB_PER_ENVIRONMENT} MB; `harbor-hpc doctor` says how many fit here"
+            )
+    return None
+
+
+def fleet_finding() -> Finding:
+    """How many environments this node holds for this user at once, and what runs out first."""
+    bounds: dict[str, int] = {}
+    processes = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    if processes != resource.RLIM_INFINITY:
+        bounds[f"processes and threads (ulimit -u {processes})"] = (
+            processes // TASKS_PER_ENVIRONMENT
+        )
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if files != resource.RLIM_INFINITY:
+        bounds[f"open files of one process (ulimit -Hn {files})"] = files // FILES_PER_ENVIRONMENT
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) // 1024
+                bounds[f"memory ({available} MB available)"] = available // MB_PER_ENVIRONMENT
+    with contextlib.suppress(OSError, ValueError):
+        namespaces = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+        bounds[f"user namespaces (user.max_user_namespaces {namespaces})"] = namespaces
+    if not bounds:
+        return Finding("fleet", Status.OK, "no limit of this node's bounds how many environments")
+    first = min(bounds, key=lambda name: bounds[name])
+    fit = bounds[first]
+    detail = (
+        f"about {fit} environments at once for you here: {first} runs out first (each holds "
+        f"about {TASKS_PER_ENVIRONMENT} processes and threads, {FILES_PER_ENVIRONMENT} open "
+        f"files, {MB_PER_ENVIRONMENT} MB)"
+    )
+    if fit >= FLEET_WARN_BELOW:
+        return Finding("fleet", Status.OK, detail)
+    return Finding(
+        "fleet",
+        Status.WARN,
+        detail,
+        "run fewer environments per node, or ask the admins to raise that limit "
+        "(limits.conf for ulimits, sysctl for namespaces)",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +134,30 @@ def test_a_cache_that_cannot_keep_the_image_still_proves_exec(tmp_path: Path) ->
     found = by_name(probes.findings(blocker))
     assert found["run an image"].status is Status.OK, found["run an image"].detail
     assert found["task container"].status is Status.OK, found["task container"].detail
+
+
+FLEET = """
+from harbor_hpc.apptainer.probes import fleet_finding
+found = fleet_finding()
+print(found.status.value, found.detail, sep="\\n")
+"""
+
+
+def test_the_fleet_line_names_the_limit_that_runs_out_first() -> None:
+    """With `ulimit -u 2000` (a cluster's per-user cap), some 25 processes and threads to an
+    environment fit 80 of them: doctor warns, naming that limit."""
+    script = f"ulimit -Su 2000 && ulimit -Hu 2000 && exec {sys.executable} -c '{FLEET}'"
+    said = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
+    status, detail = said.stdout.splitlines()
+    assert status == Status.WARN.value, detail
+    assert detail.startswith("about 80 environments at once for you here: processes and threads")
+    assert "(ulimit -u 2000) runs out first" in detail
+
+
+def test_a_start_that_runs_out_of_a_node_limit_names_it() -> None:
+    """Apptainer's words when `ulimit -u` runs out (recorded from apptainer 1.4.5 run with a
+    ulimit -u just above the user's tasks) name the limit, and how many fit."""
+    said = "runtime/cgo: pthread_create failed: Resource temporarily unavailable\nSIGABRT: abort"
+    named = probes.ran_out(said)
+    assert named is not None and "ran out of processes and threads (ulimit -u)" in named
+    assert probes.ran_out("FATAL: could not open image: no such file") is None
