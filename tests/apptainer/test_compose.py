@@ -24,8 +24,9 @@ from harbor_hpc.tasks.compose import (
     Volume,
     load_compose,
 )
-from tests.apptainer.test_environment import ENVIRONMENT, HARBOR, make_environment, reward
+from tests.apptainer.test_environment import ENVIRONMENT, HARBOR, reward
 from tests.support.cli import cli
+from tests.support.environments import make_environment
 from tests.support.sample_tasks import answer_service, make_task
 
 
@@ -162,7 +163,7 @@ def test_services_run_beside_the_task_as_docker_compose_runs_them(
     env_dir = tmp_path / "environment"
     write_compose(env_dir, POD.format(image=debian_sif, probe=PROBE))
     environment = make_environment(
-        str(debian_sif), tmp_path, env_dir, mb=1024, unpacked_roots=roots,
+        str(debian_sif), tmp_path, env_dir, memory_mb=1024, unpacked_roots=roots,
         scratch_dir=str(tmp_path / "scratch"),
     )  # fmt: skip
     assert environment.capabilities.docker_compose
@@ -228,7 +229,7 @@ services:
     command: ["python3", "-c", "import time; b = bytearray(400 << 20); time.sleep(600)"]
 """,
     )
-    environment = make_environment(str(debian_sif), tmp_path, env_dir, mb=256)
+    environment = make_environment(str(debian_sif), tmp_path, env_dir, memory_mb=256)
 
     async def scenario() -> None:
         await environment.start(force_build=False)

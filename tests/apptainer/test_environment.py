@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -20,16 +19,13 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from harbor.models.task.config import EnvironmentConfig
-from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
@@ -41,6 +37,7 @@ from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import process_tree
 from harbor_hpc.core.probe import Status
+from tests.support.environments import make_environment, started
 from tests.support.processes import container_processes, gone_within
 from tests.support.users import other_user_command
 
@@ -63,22 +60,6 @@ def test_exported_by_setup_keeps_new_and_changed_variables() -> None:
         "PATH": "/opt/venv/bin:/usr/bin",
         "NEW": "a=b\nc",
     }
-
-
-def make_environment(
-    image: str, folder: Path, env_dir: Path | None = None, **kwargs: Any
-) -> SingularityEnvironment:
-    trial_paths = TrialPaths(folder / "trial")
-    trial_paths.mkdir()
-    return SingularityEnvironment(
-        environment_dir=env_dir or folder,
-        environment_name="unit",
-        session_id="unit__env",
-        trial_paths=trial_paths,
-        task_env_config=EnvironmentConfig(docker_image=image, memory_mb=kwargs.pop("mb", None)),
-        logger=logging.getLogger("test"),
-        **kwargs,
-    )
 
 
 def test_missing_sif_is_image_unavailable(tmp_path: Path) -> None:
@@ -352,18 +333,6 @@ def test_memory_hog_is_killed_and_reported(debian_sif: Path, tmp_path: Path) -> 
 
 
 # -- the environment's promises, driven directly ---------------------------------
-
-
-@asynccontextmanager
-async def started(
-    image: Path, folder: Path, **kwargs: Any
-) -> AsyncIterator[SingularityEnvironment]:
-    environment = make_environment(str(image), folder, **kwargs)
-    await environment.start(force_build=False)
-    try:
-        yield environment
-    finally:
-        await environment.stop(delete=True)
 
 
 @pytest.mark.apptainer

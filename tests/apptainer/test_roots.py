@@ -19,7 +19,7 @@ import pytest
 from harbor_hpc.apptainer.limits import UNPACKED_ROOT, read_limits
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
-from tests.apptainer.test_environment import started
+from tests.support.environments import started
 from tests.support.processes import container_processes, gone_within, processes_naming
 from tests.support.small_disk import small_disk
 

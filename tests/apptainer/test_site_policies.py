@@ -7,21 +7,17 @@ Each policy is the system's apptainer.conf with one setting changed."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from harbor.models.task.config import EnvironmentConfig
-from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.apptainer import probes, runtime
-from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.errors import ContainerStartFailed
 from harbor_hpc.apptainer.limits import UNPACKED_ROOT, WRITABLE_TMPFS, read_limits
 from harbor_hpc.core.probe import Finding, Status
+from tests.support.environments import make_environment
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
 
@@ -62,20 +58,6 @@ def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Policy]:
     forget()
 
 
-def environment(image: Path, folder: Path, **kwargs: Any) -> SingularityEnvironment:
-    trial_paths = TrialPaths(folder / "trial")
-    trial_paths.mkdir()
-    return SingularityEnvironment(
-        environment_dir=folder,
-        environment_name="site",
-        session_id="site__env",
-        trial_paths=trial_paths,
-        task_env_config=EnvironmentConfig(docker_image=str(image)),
-        logger=logging.getLogger("test"),
-        **kwargs,
-    )
-
-
 def container_finding(cache_dir: Path) -> Finding:
     with probes.probe_image(runtime.find_apptainer(), cache_dir) as image:
         return probes.task_container_finding(image)
@@ -112,8 +94,12 @@ def test_no_overlay_folders_write_in_memory_and_say_so(
     site("allow container dir", "no")
 
     async def main() -> str:
-        env = environment(
-            debian_sif, tmp_path / "env", unpacked_roots=roots, scratch_dir=str(tmp_path / "s")
+        env = make_environment(
+            debian_sif,
+            tmp_path / "env",
+            name="site",
+            unpacked_roots=roots,
+            scratch_dir=str(tmp_path / "s"),
         )
         await env.start(force_build=False)
         try:
@@ -131,7 +117,7 @@ def test_overlays_off_refuse_to_start_naming_the_setting(
     site: Policy, debian_sif: Path, tmp_path: Path
 ) -> None:
     site("enable overlay", "no")
-    env = environment(debian_sif, tmp_path / "env")
+    env = make_environment(debian_sif, tmp_path / "env", name="site")
     with pytest.raises(
         ContainerStartFailed, match=r"enable overlay = no\).*`enable overlay = yes`"
     ):
@@ -148,7 +134,7 @@ def test_extra_bind_paths_stay_out_of_the_container(
     site("bind path", str(shown))
 
     async def main() -> str:
-        env = environment(debian_sif, tmp_path / "env")
+        env = make_environment(debian_sif, tmp_path / "env", name="site")
         await env.start(force_build=False)
         try:
             return (await env.exec(f"ls -d {shown} 2>&1 || echo absent")).stdout or ""
@@ -164,6 +150,6 @@ def test_limited_container_paths_say_where_images_must_be(
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     site("limit container paths", str(allowed))
-    env = environment(debian_sif, tmp_path / "env")
+    env = make_environment(debian_sif, tmp_path / "env", name="site")
     with pytest.raises(ContainerStartFailed, match="limit container paths"):
         asyncio.run(env.start(force_build=False))

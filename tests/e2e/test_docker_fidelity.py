@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import socket
 import tempfile
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
-from harbor.models.trial.paths import TrialPaths
+from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.errors import (
@@ -40,39 +38,24 @@ from harbor_hpc.apptainer.probes import (
     network_finding,
     network_policy_finding,
 )
+from tests.support import environments
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import FETCH_ANSWER, answer_service
 
 REGISTRY_PORT = 5000  # something listening on the host's loopback (the test registry)
 
 
-def make_environment(
-    image: Path, folder: Path, *, memory_mb: int | None = None, **kwargs: Any
-) -> SingularityEnvironment:
-    trial_paths = TrialPaths(folder / "trial")
-    trial_paths.mkdir()
-    (folder / "environment").mkdir(exist_ok=True)
-    return SingularityEnvironment(
-        environment_dir=folder / "environment",
-        environment_name="fidelity",
-        session_id="fidelity__env",
-        trial_paths=trial_paths,
-        task_env_config=EnvironmentConfig(docker_image=str(image), memory_mb=memory_mb),
-        logger=logging.getLogger("test"),
-        **kwargs,
+def make_environment(image: Path, folder: Path, **kwargs: Any) -> SingularityEnvironment:
+    """The fidelity tests' environment: its task's environment folder empty, beside the trial."""
+    return environments.make_environment(
+        image, folder, folder / "environment", name="fidelity", **kwargs
     )
 
 
-@asynccontextmanager
-async def started(
+def started(
     image: Path, folder: Path, **kwargs: Any
-) -> AsyncIterator[SingularityEnvironment]:
-    environment = make_environment(image, folder, **kwargs)
-    await environment.start(force_build=False)
-    try:
-        yield environment
-    finally:
-        await environment.stop(delete=True)
+) -> AbstractAsyncContextManager[SingularityEnvironment]:
+    return environments.started(image, folder, folder / "environment", name="fidelity", **kwargs)
 
 
 async def run(environment: SingularityEnvironment, command: str, **kwargs: Any) -> str:

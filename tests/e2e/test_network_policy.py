@@ -10,15 +10,13 @@ at it through `extra_hosts` (docker run --add-host).
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import re
 import textwrap
 from pathlib import Path
 
 import pytest
-from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
-from harbor.models.trial.paths import TrialPaths
+from harbor.models.task.config import NetworkMode, NetworkPolicy
 
 from harbor_hpc.apptainer.egress import ruleset
 from harbor_hpc.apptainer.environment import (
@@ -27,6 +25,7 @@ from harbor_hpc.apptainer.environment import (
     parse_extra_hosts,
 )
 from tests.apptainer.test_environment import reward, run_trial
+from tests.support.environments import make_environment
 
 # Connects to HOST:PORT, sends what a client of KIND sends first (a TLS ClientHello naming
 # NAME, an HTTP request for NAME, or nothing), prints the first line back or what went wrong.
@@ -81,22 +80,13 @@ def test_the_ruleset_replaces_the_table_whole() -> None:
     assert "redirect to :4242" in ruleset(allowlist("a.test"), 4242)
 
 
-def make_environment(
+def egress_environment(
     sif: Path, folder: Path, policy: NetworkPolicy, phases: list[NetworkPolicy]
 ) -> SingularityEnvironment:
-    trial_paths = TrialPaths(folder / "trial")
-    trial_paths.mkdir()
-    return SingularityEnvironment(
-        environment_dir=folder,
-        environment_name="egress",
-        session_id="egress__env",
-        trial_paths=trial_paths,
-        task_env_config=EnvironmentConfig(docker_image=str(sif)),
-        logger=logging.getLogger("test"),
-        network_policy=policy,
-        phase_network_policies=phases,
+    return make_environment(
+        sif, folder, name="egress", network_policy=policy, phase_network_policies=phases,
         extra_hosts=",".join(f"{name}:{egress_host()}" for name in NAMES),
-    )
+    )  # fmt: skip
 
 
 @pytest.mark.apptainer
@@ -108,7 +98,7 @@ def test_allowlist_and_a_policy_per_phase(debian_sif: Path, tmp_path: Path) -> N
 
     async def main() -> dict[str, str]:
         agent = allowlist("allowed.test", "*.wild.test")
-        environment = make_environment(debian_sif, tmp_path, agent, [agent, NetworkPolicy()])
+        environment = egress_environment(debian_sif, tmp_path, agent, [agent, NetworkPolicy()])
         seen: dict[str, str] = {}
         await environment.start(force_build=False)
         try:
