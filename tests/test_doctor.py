@@ -14,9 +14,10 @@ import pytest
 
 from harbor_hpc.core.proc import run
 from harbor_hpc.slurm import probes as slurm_probes
-from harbor_hpc.slurm.cluster import parse_partitions
+from harbor_hpc.slurm.cluster import parse_config, parse_partitions
 from harbor_hpc.steps import doctor
 from harbor_hpc.steps.doctor import Part, Role, Status
+from tests.support.fake_slurm import RECORDED
 from tests.support.users import other_user_command
 
 
@@ -157,6 +158,16 @@ def test_slurm_here_is_reachable_with_partitions() -> None:
     assert checks["controller"].status is Status.OK
     partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION", "")
     assert partition in checks["partitions"].detail
+    # The test clusters hold jobs to their memory, as production clusters do (.ci/cgroup.conf).
+    assert checks["jobs' memory"].detail.startswith("held to their --mem (task/cgroup")
+
+
+def test_a_cluster_without_cgroups_leaves_memory_to_the_watchdog() -> None:
+    """The recorded configuration of a Slurm without cgroup plugins."""
+    config = parse_config((RECORDED / "scontrol-show-config.txt").read_text())
+    found = slurm_probes.judge_memory(config)
+    assert found.status is Status.OK and "the watchdog alone" in found.detail
+    assert "task/none" in found.detail
 
 
 @pytest.mark.slurm

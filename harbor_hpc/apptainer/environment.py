@@ -98,7 +98,7 @@ from harbor_hpc.apptainer.runtime import (
     writes_in_memory,
 )
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
-from harbor_hpc.apptainer.watchdog import MemoryWatchdog, oom_kills
+from harbor_hpc.apptainer.watchdog import MemoryWatchdog, memory_limit_mb, oom_kills
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import filesystem_type
 from harbor_hpc.core.scratch import PrivateDir
@@ -848,12 +848,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         now = oom_kills() if before is not None else None
         if before is None or now is None or now <= before:
             return
+        limit = memory_limit_mb()
+        held = f"{limit} MB" if limit is not None else "its memory"
         raise MemoryLimitExceededError(
             f"task {self.environment_name}: the kernel's OOM killer ended {now - before} "
-            "process(es) in the memory cgroup this trial runs in (a Slurm job's --mem, with "
-            "ConstrainRAMSpace) before the task reached its memory_mb of "
-            f"{self._effective_memory_mb} MB: give the job more memory (--mem) or run fewer "
-            "trials at once (--concurrency)"
+            f"process(es) of the job this trial runs in, held to {held} (a Slurm job's --mem, "
+            "with ConstrainRAMSpace), before the task reached its memory_mb of "
+            f"{self._effective_memory_mb} MB: give the job more memory (--mem, or leave it out "
+            "to have it sized), or run fewer trials at once in it (--concurrency)"
         )
 
     # -- files ------------------------------------------------------------------

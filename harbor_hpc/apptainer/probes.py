@@ -410,6 +410,7 @@ def fleet_finding() -> Finding:
         )
     files = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if files != resource.RLIM_INFINITY:
+        # The hard limit: the environment raises its process's soft limit to it.
         bounds[f"open files of one process (ulimit -Hn {files})"] = files // FILES_PER_ENVIRONMENT
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -424,9 +425,10 @@ def fleet_finding() -> Finding:
     first = min(bounds, key=lambda name: bounds[name])
     fit = bounds[first]
     detail = (
-        f"about {fit} environments at once for you here: {first} runs out first (each holds "
-        f"about {TASKS_PER_ENVIRONMENT} processes and threads, {FILES_PER_ENVIRONMENT} open "
-        f"files, {MB_PER_ENVIRONMENT} MB)"
+        f"room for about {fit} environments at once for you here, beside what their tasks use "
+        f"(memory_mb, cpus): {first} runs out first (each holds about "
+        f"{TASKS_PER_ENVIRONMENT} processes and threads, {FILES_PER_ENVIRONMENT} open files, "
+        f"{MB_PER_ENVIRONMENT} MB)"
     )
     if fit >= FLEET_WARN_BELOW:
         return Finding("fleet", Status.OK, detail)

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -96,6 +97,35 @@ def oom_kills() -> int | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def memory_limit_mb() -> int | None:
+    """The memory this process's cgroup and those above it may hold (a Slurm job's --mem under
+    ConstrainRAMSpace), in MB; None where none is set or readable (cgroup v1 and v2)."""
+    try:
+        lines = _read("/proc/self/cgroup").decode().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+        elif controllers == "":
+            root, name = Path("/sys/fs/cgroup"), "memory.max"
+        else:
+            continue
+        folder = root / path.strip("/")
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                limits.append(int(_read(str(folder / name)).strip()))
+            if folder == root:
+                break
+            folder = folder.parent
+        break
+    # No limit reads "max" (v2, skipped) or a huge number (v1).
+    real = [limit for limit in limits if limit < 1 << 60]
+    return min(real) // MB if real else None
 
 
 @functools.cache

@@ -341,6 +341,16 @@ def _warn_before_submitting(result: SubmitResult) -> None:
                 f"{group.requeue_warning_s} s): it would be cut off at every requeue; "
                 "give a longer --time, or leave --time out to have it sized"
             )
+        if group.memory_needed_mb is not None:
+            warn(
+                f"{', '.join(group.tasks[:3])}{' ...' if len(group.tasks) > 3 else ''}: an "
+                f"element asks for {group.resources.mem_mb} MB, less than its trials' memory_mb "
+                f"at once and harbor-hpc's own processes need ({group.memory_needed_mb} MB): "
+                "where "
+                "Slurm holds jobs to their memory, the job, not the watchdog, may end trials "
+                f"(they fail `memory`, naming it); give --mem {group.memory_needed_mb} or "
+                "fewer --concurrency"
+            )
 
 
 def _sizing(resources: Resources) -> str:

@@ -39,9 +39,22 @@ if TYPE_CHECKING:  # Harbor loads when a fetch runs, not with every command
 TaskProgress = Callable[[int, int, str], None]
 
 _LIST_HINT = (
-    "check the name, @version and --include: `harbor datasets list` (with --registry-path or "
-    "--repo) lists a registry's datasets; Harbor's default registry and hub need internet"
+    "check the name, @version and --include: `harbor datasets list` lists the datasets of "
+    "Harbor's default registry and hub, which need internet"
 )
+
+
+def _list_hint(registry: str | None, repo: str | None) -> str:
+    """What to check when a name is not found or a registry is refused, for where it was."""
+    if registry is None and repo is None:
+        return _LIST_HINT
+    listing = f"--repo {repo}" if repo is not None else f"--registry-path {registry}"
+    return (
+        f"check the name, @version and --include, and the registry's JSON: `harbor datasets "
+        f"list {listing}` lists its datasets (docs/fetch.md shows a registry.json)"
+    )
+
+
 _OFFLINE_HINT = (
     "fetch where the source can be reached (a login node with internet) into the shared "
     "filesystem, then build, convert and rewrite as usual"
@@ -194,7 +207,7 @@ def _resolve(
     """The dataset's tasks, picked by `include`, as Harbor resolves them."""
     from harbor.models.task.id import PackageTaskId
 
-    with _harbor_errors(name, resolving=True):
+    with _harbor_errors(name, resolving=True, hint=_list_hint(registry, repo)):
         configs = asyncio.run(_config(name, registry, repo, include).get_task_configs())
     tasks = []
     for config in configs:
@@ -290,26 +303,29 @@ def _download(
 
 
 @contextlib.contextmanager
-def _harbor_errors(name: str, *, resolving: bool) -> Iterator[None]:
-    """Harbor's failures, each as one line naming `name`; anything else is a bug and passes."""
+def _harbor_errors(name: str, *, resolving: bool, hint: str = _LIST_HINT) -> Iterator[None]:
+    """Harbor's failures, each as one line naming `name`, `hint` for a name or registry
+    refused; anything else is a bug and passes."""
     try:
         yield
     except HarborHpcError:
         raise
     except Exception as exc:
-        error = _user_error(name, exc, resolving=resolving)
+        error = _user_error(name, exc, resolving=resolving, hint=hint)
         if error is None:
             raise
         raise error from None
 
 
-def _user_error(name: str, exc: BaseException, *, resolving: bool) -> HarborHpcError | None:
+def _user_error(
+    name: str, exc: BaseException, *, resolving: bool, hint: str = _LIST_HINT
+) -> HarborHpcError | None:
     import httpx
     from harbor.registry.client.base import EmptyDatasetError, UnavailableDatasetTasksError
     from pydantic import ValidationError
 
     if isinstance(exc, BaseExceptionGroup):  # concurrent package downloads: the first says why
-        return _user_error(name, exc.exceptions[0], resolving=resolving)
+        return _user_error(name, exc.exceptions[0], resolving=resolving, hint=hint)
     if isinstance(exc, subprocess.CalledProcessError):
         # git's first `fatal:` line says why; what follows it is advice.
         said = [line for line in (exc.stderr or b"").decode(errors="replace").splitlines() if line]
@@ -321,10 +337,16 @@ def _user_error(name: str, exc: BaseException, *, resolving: bool) -> HarborHpcE
             hint="check that the repository can be reached from here and holds that commit; "
             + _OFFLINE_HINT,
         )
-    if isinstance(exc, ValidationError):  # Harbor's config refused the combination
-        return InputError(f"{name}: {exc.errors()[0]['msg']}", hint=_LIST_HINT)
+    if isinstance(exc, ValidationError):  # Harbor's config or registry.json refused
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return InputError(f"{name}: {where + ': ' if where else ''}{first['msg']}", hint=hint)
     if isinstance(exc, ValueError | KeyError) and resolving:
-        return InputError(f"{name}: {_first_line(exc)}", hint=_LIST_HINT)
+        refused = _first_line(exc)
+        if "--path" in refused:  # Harbor's advice for its own CLI: a local folder as --repo
+            refused = "--repo takes a git URL (https, ssh, git)"
+            hint = "a registry on this machine is a registry.json: give it with --registry FILE"
+        return InputError(f"{name}: {refused}", hint=hint)
     if isinstance(exc, ValueError | EmptyDatasetError | UnavailableDatasetTasksError):
         return HarborHpcError(f"{name}: {_first_line(exc)}")
     if isinstance(exc, httpx.HTTPError):

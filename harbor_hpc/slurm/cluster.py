@@ -199,25 +199,36 @@ def partition_limits(
     return parse_node_limits(ran.stdout)
 
 
-def parse_max_array_size(config_text: str) -> int:
-    """MaxArraySize from `scontrol show config` output, else Slurm's default."""
+def parse_config(config_text: str) -> dict[str, str]:
+    """`scontrol show config` output as KEY -> value (its cgroup.conf section included)."""
+    found = {}
     for line in config_text.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "MaxArraySize":
-            try:
-                return int(value.strip())
-            except ValueError:
-                break
-    return DEFAULT_MAX_ARRAY_SIZE
+        key, equals, value = line.partition("=")
+        if equals and key.strip() and " " not in key.strip():
+            found[key.strip()] = value.strip()
+    return found
 
 
-def max_array_size(*, timeout: float = QUERY_TIMEOUT_S) -> int:
-    """How many elements one Slurm array may have."""
+def parse_max_array_size(config: dict[str, str]) -> int:
+    """MaxArraySize of a parsed `scontrol show config`, else Slurm's default."""
+    try:
+        return int(config["MaxArraySize"])
+    except (KeyError, ValueError):
+        return DEFAULT_MAX_ARRAY_SIZE
+
+
+def config(*, timeout: float = QUERY_TIMEOUT_S) -> dict[str, str]:
+    """The cluster's configuration, as `scontrol show config` says it (`parse_config`)."""
     hint = f"run submit where Slurm is set up; {CONTROLLER_HINT}"
     ran = _query(["scontrol", "show", "config"], timeout=timeout, hint=hint)
     if not ran.ok:
         raise _failed(ran, hint)
-    return parse_max_array_size(ran.stdout)
+    return parse_config(ran.stdout)
+
+
+def max_array_size(*, timeout: float = QUERY_TIMEOUT_S) -> int:
+    """How many elements one Slurm array may have."""
+    return parse_max_array_size(config(timeout=timeout))
 
 
 def parse_node_address(text: str) -> str | None:

@@ -29,7 +29,34 @@ def findings() -> list[Finding]:
         return [*checks, _controller_down(ping)]
     checks.append(Finding("controller", Status.OK, "; ".join(ping.controllers)))
     checks.append(partitions_check())
+    try:
+        checks.append(judge_memory(cluster.config()))
+    except SlurmError as exc:
+        checks.append(Finding("jobs' memory", Status.WARN, exc.message, exc.hint or ""))
     return checks
+
+
+def judge_memory(config: dict[str, str]) -> Finding:
+    """Whether Slurm holds each job to its memory (task/cgroup with ConstrainRAMSpace), and
+    what that means for a trial over its memory_mb."""
+    held = "task/cgroup" in config.get("TaskPlugin", "") and (
+        config.get("ConstrainRAMSpace", "").lower() == "yes"
+    )
+    tracked = config.get("ProctrackType", "unknown")
+    if held:
+        return Finding(
+            "jobs' memory",
+            Status.OK,
+            f"held to their --mem (task/cgroup, ConstrainRAMSpace; {tracked}): each element asks "
+            "for its trials' memory_mb and 1 GB for harbor-hpc, and the watchdog ends a task "
+            "over its memory_mb first; a smaller --mem fails trials `memory`, naming it",
+        )
+    return Finding(
+        "jobs' memory",
+        Status.OK,
+        f"not held to their --mem by Slurm (TaskPlugin {config.get('TaskPlugin', 'unknown')}, "
+        f"{tracked}): the watchdog alone holds each task to its memory_mb",
+    )
 
 
 def _controller_down(ping: Ping) -> Finding:

@@ -150,7 +150,7 @@ def test_the_fleet_line_names_the_limit_that_runs_out_first() -> None:
     said = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
     status, detail = said.stdout.splitlines()
     assert status == Status.WARN.value, detail
-    assert detail.startswith("about 80 environments at once for you here: processes and threads")
+    assert detail.startswith("room for about 80 environments at once for you here, beside")
     assert "(ulimit -u 2000) runs out first" in detail
 
 

@@ -46,9 +46,10 @@ def test_what_sinfo_and_scontrol_say_is_read() -> None:
     assert cluster.parse_node_limits(gres) == NodeLimits(
         16, 128000, frozenset({"a100", "h100_80gb"})
     )
-    config = (RECORDED / "scontrol-show-config.txt").read_text()
+    config = cluster.parse_config((RECORDED / "scontrol-show-config.txt").read_text())
     assert cluster.parse_max_array_size(config) == 10001
-    assert cluster.parse_max_array_size("nothing") == cluster.DEFAULT_MAX_ARRAY_SIZE
+    assert cluster.parse_max_array_size({}) == cluster.DEFAULT_MAX_ARRAY_SIZE
+    assert config["ProctrackType"] == "proctrack/linuxproc"
 
 
 def test_ping_and_partitions_are_read() -> None:

@@ -520,4 +520,6 @@ def test_a_trial_the_jobs_memory_cgroup_kills_is_named_not_scored(
     assert (statuses["fine"]["state"], statuses["fine"]["reward"]) == ("done", 1.0)
     hog = statuses["hog"]
     assert (hog["state"], hog["failure"]) == ("failed", "memory"), hog
-    assert "OOM killer" in hog["message"] and "--mem" in hog["message"], hog
+    assert "OOM killer" in hog["message"] and "held to 1500 MB" in hog["message"], hog
+    # submit said so before queueing: the element asks less than its trials need.
+    assert "an element asks for 1500 MB, less than" in waited.stderr, waited.stderr

@@ -36,6 +36,9 @@ class Group:
     requeue_warning_s: int | None = None
     # Trials too long for an element's --time: they would be cut off at every requeue.
     too_long: dict[str, int] = field(default_factory=dict)
+    # What an element's trials (their memory_mb, so many at once) and harbor-hpc's own processes
+    # need, where its --mem (the user's, or the biggest node's) is less; else None.
+    memory_needed_mb: int | None = None
 
     @property
     def tasks(self) -> list[str]:
@@ -49,6 +52,7 @@ class Group:
             "resources": self.resources.to_json(),
             "requeue_warning_s": self.requeue_warning_s,
             "too_long": self.too_long,
+            "memory_needed_mb": self.memory_needed_mb,
         }
 
 
@@ -114,6 +118,11 @@ def plan_groups(
                 for rel, budget in sorted(budgets.items())
                 if budget > working_s
             }
+            needed = element_resources(
+                group_tasks, trials=trials, concurrency=int(options["concurrency"])
+            ).mem_mb
+            if group.resources.mem_mb < needed:
+                group.memory_needed_mb = needed
         groups.append(group)
     return groups
 
