@@ -209,11 +209,15 @@ def _show_registry_report(report: RegistryReport) -> None:
         table.add_row(escape(name), escape(source))
     stdout.print(table)
     stdout.print(
-        f"{escape(report.dataset)}: {len(report.placed)} tasks placed, "
+        f"{escape(report.dataset)}: {_tasks(len(report.placed))} placed, "
         f"{len(report.unchanged)} unchanged, {len(report.failed)} refused; "
-        f"{len(report.tasks)} tasks under {report.dest}",
+        f"{_tasks(len(report.tasks))} under {report.dest}",
         highlight=False,
     )
+
+
+def _tasks(count: int) -> str:
+    return f"{count} task" if count == 1 else f"{count} tasks"
 
 
 def _show_failures(report: FetchReport | RegistryReport) -> None:
