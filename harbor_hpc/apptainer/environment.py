@@ -121,7 +121,7 @@ SINGULARITY_OPTIONS = frozenset(SingularityOptions.model_fields)
 
 
 @functools.cache
-def _allow_open_files() -> None:
+def _raise_soft_limits() -> None:
     """Raise this process's soft limits of open files and of processes to their hard limits:
     each open environment holds some nine descriptors (pipes, pidfds, /proc files) and its
     container some 25 processes and threads, so a trainer's fleet of a few hundred outgrows the
@@ -412,7 +412,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     @override
     async def start(self, force_build: bool) -> None:
-        _allow_open_files()
+        _raise_soft_limits()
         self._compose = self._load_compose()
         self.sif_path = await self._resolve_image(force_build or self._force_pull)
         service_sifs = await self._service_sifs() if self._compose else {}

@@ -99,30 +99,47 @@ def oom_kills() -> int | None:
     return None
 
 
-def memory_limit_mb() -> int | None:
-    """The memory this process's cgroup and those above it may hold (a Slurm job's --mem under
-    ConstrainRAMSpace), in MB; None where none is set or readable (cgroup v1 and v2)."""
+@dataclass(frozen=True)
+class _MemoryCgroup:
+    root: Path  # where its hierarchy is mounted
+    folder: Path  # this process's cgroup in it
+    v1: bool
+
+
+def _memory_cgroups() -> list[_MemoryCgroup]:
+    """This process's memory cgroups, as /proc/self/cgroup names them: the v1 memory
+    hierarchy's (listed first), then the v2 unified one's."""
     try:
         lines = _read("/proc/self/cgroup").decode().splitlines()
     except OSError:
-        return None
-    limits = []
+        return []
+    found = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
+            root, v1 = Path("/sys/fs/cgroup/memory"), True
         elif controllers == "":
-            root, name = Path("/sys/fs/cgroup"), "memory.max"
+            root, v1 = Path("/sys/fs/cgroup"), False
         else:
             continue
-        folder = root / path.strip("/")
-        while True:
-            with contextlib.suppress(OSError, ValueError):
-                limits.append(int(_read(str(folder / name)).strip()))
-            if folder == root:
-                break
-            folder = folder.parent
-        break
+        found.append(_MemoryCgroup(root, root / path.strip("/"), v1))
+    return found
+
+
+def memory_limit_mb() -> int | None:
+    """The memory this process's cgroup and those above it may hold (a Slurm job's --mem under
+    ConstrainRAMSpace), in MB; None where none is set or readable (cgroup v1 and v2)."""
+    cgroups = _memory_cgroups()
+    if not cgroups:
+        return None
+    group = cgroups[0]
+    name = "memory.limit_in_bytes" if group.v1 else "memory.max"
+    limits = []
+    for folder in (group.folder, *group.folder.parents):
+        if not folder.is_relative_to(group.root):
+            break
+        with contextlib.suppress(OSError, ValueError):
+            limits.append(int(_read(str(folder / name)).strip()))
     # No limit reads "max" (v2, skipped) or a huge number (v1).
     real = [limit for limit in limits if limit < 1 << 60]
     return min(real) // MB if real else None
@@ -130,19 +147,10 @@ def memory_limit_mb() -> int | None:
 
 @functools.cache
 def _oom_kill_file() -> int | None:
-    """A descriptor on the file of this process's memory cgroup that counts OOM kills."""
-    try:
-        lines = _read("/proc/self/cgroup").decode().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):  # cgroup v1
-            name = f"/sys/fs/cgroup/memory{path}/memory.oom_control"
-        elif controllers == "":  # cgroup v2 (memory.events counts the cgroups below too)
-            name = f"/sys/fs/cgroup{path.rstrip('/')}/memory.events"
-        else:
-            continue
+    """A descriptor on the file of this process's memory cgroup that counts OOM kills (v2's
+    memory.events counts the cgroups below too)."""
+    for group in _memory_cgroups():
+        name = group.folder / ("memory.oom_control" if group.v1 else "memory.events")
         with contextlib.suppress(OSError):
             fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
             if b"oom_kill " in os.pread(fd, 4096, 0):
