@@ -36,9 +36,12 @@ import psutil
 import pytest
 
 from harbor_hpc.apptainer.network import egress_problem
+from harbor_hpc.apptainer.nodes import answers_file
 from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.fetch.hub import Hub
 from harbor_hpc.ray.cluster import ray_missing
+from harbor_hpc.slurm.cluster import SlurmPlacement
 from harbor_hpc.steps import doctor
 from tests.support.fake_slurm import BIN as FAKE_SLURM_BIN
 from tests.support.fake_slurm import FakeSlurm
@@ -209,6 +212,21 @@ def pytest_configure(config: pytest.Config) -> None:
         folder.chmod(0o755)
         (folder / _RUN_OWNER).write_text(f"{os.getpid()}\n")
         os.environ[RUN_FOLDER] = str(folder)
+        _ask_the_nodes(folder)
+
+
+def _ask_the_nodes(store: Path) -> None:
+    """The test user's Slurm nodes asked once (`harbor-hpc doctor --nodes`), as a cluster user
+    asks them, so that images are made as there: zstd, which the test cluster's node reads.
+    Their answers stay in the user's ~/.cache/harbor-hpc/nodes.json; tests of the asking
+    itself give it a HOME of their own."""
+    if answers_file().exists() or shutil.which("sbatch") is None:
+        return
+    partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION")
+    try:
+        doctor.ask_nodes(SlurmPlacement(partition=partition), store, timeout=120)
+    except HarborHpcError as exc:  # no Slurm or Apptainer here: the parts' tests skip or fail
+        print(f"conftest: the nodes were not asked ({exc.message}): images are gzip")
 
 
 def _remove_killed_runs() -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from harbor_hpc.apptainer import nodes
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.proc import Ran, run
@@ -139,8 +140,9 @@ def run_flags(sif: Path, *, fakeroot: bool = False) -> tuple[str, ...]:
     if _UNREADABLE_ZSTD in said:
         hint = (
             "the .sif is compressed with zstd, which this node's Apptainer (older than 1.4) "
-            'cannot read: set sif_compression = "gzip" in harbor-hpc.toml and convert again '
-            "(`harbor-hpc convert --force`)"
+            "cannot read: `harbor-hpc doctor --nodes` asks every node, after which images are "
+            'made with gzip (or set sif_compression = "gzip" in harbor-hpc.toml); then '
+            "`harbor-hpc convert --force`"
         )
     else:
         hint = site_policy_fix(said) or (FAKEROOT_HINT + "; " if fakeroot else "") + (
@@ -181,30 +183,35 @@ SQUASHFS_COMPRESSION = "zstd"
 SQUASHFS_ARGS = ("-comp", SQUASHFS_COMPRESSION, "-Xcompression-level", "3")
 
 
-COMPRESSIONS = ("zstd", "gzip")
+# "auto" (the default): zstd where every node that will run the image reads it, else gzip.
+COMPRESSIONS = ("auto", "zstd", "gzip")
 # What Apptainer before 1.4 says of a zstd squashfs (its partition check knows no zstd).
 _UNREADABLE_ZSTD = "unknown compression algorithm value 6"
 
 
+@dataclass(frozen=True)
+class Compression:
+    """How this process squashes every .sif it makes, and why."""
+
+    name: str  # "zstd" or "gzip"
+    why: str
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """`apptainer build` options for it: none for gzip, mksquashfs's default."""
+        return ("--mksquashfs-args", " ".join(SQUASHFS_ARGS)) if self.name == "zstd" else ()
+
+
 @cache
-def squashfs_options() -> tuple[str, ...]:
-    """`apptainer build` options for the .sif's compression: SQUASHFS_ARGS where this node's
-    Apptainer (1.4 or newer) and mksquashfs take them (tried on an empty folder), else none
-    (mksquashfs's gzip), and none where harbor-hpc.toml says `sif_compression = "gzip"` (nodes
-    whose Apptainer is older than the converting node's)."""
-    config = load_config()
-    chosen = config.values.get("sif_compression", COMPRESSIONS[0])
-    if chosen not in COMPRESSIONS:
-        raise InputError(
-            f"{config.source}: sif_compression must be one of {', '.join(COMPRESSIONS)}, "
-            f"not {chosen!r}"
-        )
+def zstd_here() -> str | None:
+    """None when this node makes zstd images (Apptainer 1.4 or newer, a mksquashfs that takes
+    SQUASHFS_ARGS, tried on an empty folder), else why not."""
     version = apptainer_version(find_apptainer())
     mksquashfs = shutil.which("mksquashfs")
-    if chosen == "gzip" or mksquashfs is None or version is None:
-        return ()
-    if version.release < ZSTD_MINIMUM:
-        return ()
+    if version is None or version.release < ZSTD_MINIMUM:
+        return f"this node's {version or 'Apptainer'} makes no zstd images (1.4 does)"
+    if mksquashfs is None:
+        return "mksquashfs is not on PATH (Apptainer then uses its own, with gzip)"
     with tempfile.TemporaryDirectory(prefix="harbor-hpc-mksquashfs-") as scratch:
         empty = Path(scratch) / "empty"
         empty.mkdir()
@@ -213,15 +220,44 @@ def squashfs_options() -> tuple[str, ...]:
             [mksquashfs, str(empty), probe, *SQUASHFS_ARGS, "-no-progress"],
             timeout=PROBE_TIMEOUT_S,
         )
-    if not tried.ok:
-        return ()
-    return ("--mksquashfs-args", " ".join(SQUASHFS_ARGS))
+    return None if tried.ok else f"{mksquashfs} takes no zstd: {tried.why()}"
 
 
-def build_command(*arguments: str, binary: str | None = None) -> list[str]:
-    """`apptainer build ARGUMENTS`, its .sif compressed as every .sif of ours is
-    (`squashfs_options`); `binary`: an apptainer found already, else `find_apptainer()`."""
-    return [binary or find_apptainer(), "build", *squashfs_options(), *arguments]
+@cache
+def sif_compression() -> Compression:
+    """How .sif files are compressed here: harbor-hpc.toml's `sif_compression`, "auto" by
+    default, which is zstd where this node makes it and the nodes that will run the images
+    read it: this node alone where there is no Slurm here, else the partitions' nodes as they
+    answered `harbor-hpc doctor --nodes` (apptainer/nodes.py); gzip, which every Apptainer
+    reads, where that is not known."""
+    config = load_config()
+    chosen = config.values.get("sif_compression", COMPRESSIONS[0])
+    if chosen not in COMPRESSIONS:
+        raise InputError(
+            f"{config.source}: sif_compression must be one of {', '.join(COMPRESSIONS)}, "
+            f"not {chosen!r}"
+        )
+    if chosen == "gzip":
+        return Compression("gzip", f'{config.source} says sif_compression = "gzip"')
+    cannot = zstd_here()
+    if cannot is not None:
+        return Compression("gzip", cannot)
+    if chosen == "zstd":
+        return Compression("zstd", f'{config.source} says sif_compression = "zstd"')
+    if shutil.which("sbatch") is None:
+        return Compression("zstd", "no Slurm here: images run on this node, which reads zstd")
+    reads, why = nodes.zstd_verdict()
+    return Compression("zstd" if reads else "gzip", why)
+
+
+def build_command(
+    *arguments: str, binary: str | None = None, compression: Compression | None = None
+) -> list[str]:
+    """`apptainer build ARGUMENTS`, its .sif compressed as `compression` says, else as every
+    .sif of ours is (`sif_compression`); `binary`: an apptainer found already, else
+    `find_apptainer()`."""
+    options = (compression or sif_compression()).options
+    return [binary or find_apptainer(), "build", *options, *arguments]
 
 
 # Harbor's default: the host's home, /tmp and admin bind paths stay out of the container.

@@ -25,8 +25,8 @@ lab's group): every lock, marker, .sif and scratch folder made in such a store i
 group-writable or group-readable too, whatever each member's umask.
 
 Every image is made with `apptainer build` (a registry's too, rather than `pull`), which compresses
-its squashfs with zstd where mksquashfs can (`runtime.squashfs_options`): containers read their
-image through squashfuse, far faster from zstd than from gzip.
+its squashfs as `runtime.sif_compression` chooses: zstd where the nodes that run the images read
+it (containers read their image through squashfuse, far faster from zstd than from gzip).
 
 Apptainer's own cache and temporary folders point into the store (`.tmp/<name>`, or
 `$APPTAINER_TMPDIR/<name>` when the user names a faster local disk), wiped after each
@@ -363,7 +363,7 @@ def _convert(parsed: ResolvedImage, source: str, final: Path, *, use_http: bool)
         else:
             env.pop(f"{prefix}_NOHTTPS", None)
     # `build` rather than `pull` for a registry's image too: only build compresses the .sif as
-    # asked (squashfs_options).
+    # asked (sif_compression).
     command = build_command("--disable-cache", str(partial), parsed.uri)
     started = time.monotonic()
     log.info("converting %s -> %s", source, final.name)

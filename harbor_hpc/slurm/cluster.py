@@ -326,6 +326,48 @@ def partitions(*, timeout: float = QUERY_TIMEOUT_S) -> Partitions:
     return parse_partitions(ran.stdout)
 
 
+# States (sinfo's short names) of a node that can take a job now or soon; any other (down,
+# drain, fail, maint, powered off, not responding: a trailing `*`) is not asked.
+_TAKES_JOBS = frozenset({"idle", "mix", "alloc", "comp", "resv", "plnd", "boot"})
+
+
+@dataclass(frozen=True)
+class PartitionNodes:
+    """A partition's nodes as sinfo lists them: those that take jobs, and the others."""
+
+    partition: str
+    asked: tuple[str, ...]
+    not_taking_jobs: tuple[str, ...]
+
+
+def parse_partition_nodes(text: str, partition: str | None) -> PartitionNodes:
+    """`sinfo -h -N -o "%N|%t|%P"` output: the nodes of `partition`, else of the default one
+    (its name marked `*`)."""
+    rows = [line.split("|") for line in text.splitlines() if line.count("|") == 2]
+    if partition is None:
+        partition = next((p.rstrip("*") for _n, _s, p in rows if p.endswith("*")), None)
+        if partition is None:
+            raise InputError(
+                "Slurm names no default partition", hint="pass --partition, or set partition"
+            )
+    mine = [(node, state) for node, state, p in rows if p.rstrip("*") == partition]
+    if not mine:
+        known = sorted({p.rstrip("*") for _n, _s, p in rows})
+        raise InputError(f"partition {partition!r} has no nodes", hint="known: " + ", ".join(known))
+    asked = tuple(sorted({node for node, state in mine if state in _TAKES_JOBS}))
+    others = tuple(sorted({node for node, _state in mine} - set(asked)))
+    return PartitionNodes(partition, asked, others)
+
+
+def partition_nodes(partition: str | None, *, timeout: float = QUERY_TIMEOUT_S) -> PartitionNodes:
+    """The nodes of `partition` (None: the default partition), as sinfo lists them now."""
+    hint = f"check `sinfo -N` by hand; {CONTROLLER_HINT}"
+    ran = _query(["sinfo", "-h", "-N", "-o", "%N|%t|%P"], timeout=timeout, hint=hint)
+    if not ran.ok:
+        raise _failed(ran, hint)
+    return parse_partition_nodes(ran.stdout, partition)
+
+
 # --- sbatch, through submitit ----------------------------------------------------------------
 
 

@@ -21,15 +21,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.probe import Finding, Status, harbor_finding, python_finding
 
+if TYPE_CHECKING:  # each layer loads when its checks run (`doctor --help` stays quick)
+    from harbor_hpc.apptainer.nodes import Asked
+    from harbor_hpc.apptainer.runtime import Compression
+    from harbor_hpc.slurm.cluster import SlurmPlacement
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Check", "Part", "Report", "Role", "Status", "part_problem", "run_doctor"]
+__all__ = [
+    "Check",
+    "NodesReport",
+    "Part",
+    "Report",
+    "Role",
+    "Status",
+    "ask_nodes",
+    "part_problem",
+    "run_doctor",
+]
 
 
 class Role(StrEnum):
@@ -188,7 +203,7 @@ def probe_part(part: Part, cache_dir: Path) -> list[Check]:
         Part.SLURM: slurm.findings,
         Part.DOCKER: lambda: [engine_finding()],
         Part.APPTAINER_BUILD: lambda: apptainer.build_findings(cache_dir),
-        Part.CACHE: lambda: [apptainer.store_finding(cache_dir)],
+        Part.CACHE: lambda: [apptainer.store_finding(cache_dir), *apptainer.compression_findings()],
         Part.HARBOR: lambda: [harbor_finding()],
         Part.PYTHON: lambda: [python_finding()],
     }
@@ -200,3 +215,69 @@ def probe_part(part: Part, cache_dir: Path) -> list[Check]:
         return [
             Check(part, "probe", status, f"the check itself failed: {type(exc).__name__}: {exc}")
         ]
+
+
+# --- doctor --nodes: what every node of a partition reads -------------------------------------
+
+ASK_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class NodesReport:
+    """The nodes' answers, and the compression every .sif made from now on gets."""
+
+    asked: Asked
+    compression: Compression
+
+    @property
+    def ok(self) -> bool:
+        """Every node of the partition answered (whatever it answered)."""
+        return not self.asked.unanswered
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.asked.to_json(),
+            "compression": self.compression.name,
+            "why": self.compression.why,
+        }
+
+
+def ask_nodes(
+    placement: SlurmPlacement,
+    cache_dir: Path | None = None,
+    *,
+    timeout: float = ASK_TIMEOUT_S,
+    say: Callable[[str], None] = lambda _line: None,
+) -> NodesReport:
+    """Ask every node of the placement's partition (else the default one) whether it reads a
+    zstd .sif, one small job each (slurm/nodes.py); keep the answers for the compression of
+    every .sif made after (apptainer/nodes.py)."""
+    from harbor_hpc.apptainer.nodes import save_answers
+    from harbor_hpc.apptainer.probes import probe_image
+    from harbor_hpc.apptainer.runtime import (
+        SQUASHFS_COMPRESSION,
+        Compression,
+        find_apptainer,
+        sif_compression,
+        zstd_here,
+    )
+    from harbor_hpc.slurm.nodes import ask_nodes as ask
+
+    cannot = zstd_here()
+    if cannot is not None:
+        raise HarborHpcError(
+            f"{cannot}: every .sif made here is gzip, whatever the nodes read",
+            hint="load Apptainer 1.4 or newer here (`module load apptainer`), then ask again",
+        )
+    store = resolve_cache_dir(cache_dir)
+    zstd = Compression(SQUASHFS_COMPRESSION, "asking the nodes")
+    with probe_image(find_apptainer(), store, zstd) as image:
+        if not image.is_relative_to(store):
+            raise HarborHpcError(
+                f"{store}: cannot keep the test image there, where the nodes would read it",
+                hint="name a store every node reaches and you may write (--cache-dir)",
+            )
+        asked = ask(placement, image, store / ".doctor" / "nodes", timeout=timeout, say=say)
+    save_answers(asked)
+    sif_compression.cache_clear()
+    return NodesReport(asked, sif_compression())

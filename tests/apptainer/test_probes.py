@@ -11,7 +11,7 @@ import pytest
 
 from harbor_hpc.apptainer import probes
 from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.runtime import find_apptainer, run_flags, squashfs_options
+from harbor_hpc.apptainer.runtime import find_apptainer, run_flags, sif_compression, zstd_here
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.probe import Finding, Status
 
@@ -54,7 +54,8 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says: str, fails:
     binary.chmod(0o755)
     monkeypatch.setenv("HARBOR_HPC_APPTAINER", str(binary))
     find_apptainer.cache_clear()
-    squashfs_options.cache_clear()
+    sif_compression.cache_clear()
+    zstd_here.cache_clear()
     return binary
 
 
@@ -62,7 +63,8 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, says: str, fails:
 def _forget_the_install() -> Iterator[None]:
     yield
     find_apptainer.cache_clear()
-    squashfs_options.cache_clear()
+    sif_compression.cache_clear()
+    zstd_here.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -87,7 +89,7 @@ def test_apptainer_before_1_4_converts_with_gzip(
     installed(tmp_path, monkeypatch, "apptainer version 1.3.6")
     version = by_name(probes.install_findings())["version"]
     assert version.status is Status.WARN and "converted with gzip" in version.detail
-    assert squashfs_options() == ()
+    assert sif_compression().options == ()
 
 
 def test_a_zstd_image_on_a_node_before_1_4_says_how_to_convert_it(
@@ -108,12 +110,14 @@ def test_sif_compression_gzip_is_a_site_choice(
 ) -> None:
     (tmp_path / "harbor-hpc.toml").write_text('sif_compression = "gzip"\n')
     monkeypatch.setenv("HARBOR_HPC_CONFIG", str(tmp_path / "harbor-hpc.toml"))
-    squashfs_options.cache_clear()
-    assert squashfs_options() == ()
+    sif_compression.cache_clear()
+    zstd_here.cache_clear()
+    assert sif_compression().options == ()
     (tmp_path / "harbor-hpc.toml").write_text('sif_compression = "lz4"\n')
-    squashfs_options.cache_clear()
-    with pytest.raises(InputError, match="sif_compression must be one of zstd, gzip, not 'lz4'"):
-        squashfs_options()
+    sif_compression.cache_clear()
+    zstd_here.cache_clear()
+    with pytest.raises(InputError, match="must be one of auto, zstd, gzip, not 'lz4'"):
+        sif_compression()
 
 
 @pytest.mark.apptainer

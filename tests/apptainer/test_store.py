@@ -21,7 +21,8 @@ from harbor_hpc.apptainer.runtime import (
     SQUASHFS_COMPRESSION,
     find_apptainer,
     run_flags,
-    squashfs_options,
+    sif_compression,
+    zstd_here,
 )
 from harbor_hpc.apptainer.store import (
     checked_sif,
@@ -91,15 +92,18 @@ def test_a_sif_path_is_returned_as_is(tmp_path: Path) -> None:
 
 
 def test_images_are_compressed_as_this_mksquashfs_can(monkeypatch: pytest.MonkeyPatch) -> None:
-    squashfs_options.cache_clear()
+    sif_compression.cache_clear()
+    zstd_here.cache_clear()
     try:
         if shutil.which("mksquashfs"):
-            assert squashfs_options() == ("--mksquashfs-args", " ".join(SQUASHFS_ARGS))
-        squashfs_options.cache_clear()
+            assert sif_compression().options == ("--mksquashfs-args", " ".join(SQUASHFS_ARGS))
+        sif_compression.cache_clear()
+        zstd_here.cache_clear()
         monkeypatch.setenv("PATH", "/nonexistent")
-        assert squashfs_options() == ()  # mksquashfs's default, which Apptainer then finds
+        assert sif_compression().options == ()  # mksquashfs's default, which Apptainer then finds
     finally:
-        squashfs_options.cache_clear()
+        sif_compression.cache_clear()
+        zstd_here.cache_clear()
 
 
 def test_unknown_source_scheme_is_an_input_error(tmp_path: Path) -> None:
@@ -164,7 +168,7 @@ def test_conversion_from_open_registry_with_nohttps(tiny_image: TinyImage, tiny_
     assert is_ready(tiny_sif)
     assert run_flags(tiny_sif) is not None  # it runs: `exec ... /bin/sh -c true`
     assert squashfs_compression(tiny_sif) == (
-        SQUASHFS_COMPRESSION if squashfs_options() else "gzip"
+        SQUASHFS_COMPRESSION if sif_compression().options else "gzip"
     )
     assert debris(tiny_sif.parent) == []
     marker = json.loads((tiny_sif.parent / f".{tiny_sif.stem}.ok").read_text())

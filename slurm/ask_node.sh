@@ -1,0 +1,31 @@
+#!/bin/bash
+# The job that asks one node whether its Apptainer reads a zstd image (`harbor-hpc doctor
+# --nodes`): one such job per node of the partition, each held to its node. harbor-hpc renders
+# this file with Python's string.Template and queues it with sbatch; it reads the job's output.
+# Sites may change it (slurm/ in a checkout, harbor_hpc/_slurm where the wheel is installed):
+# keep the #SBATCH lines before the first command, and write a dollar sign the shell should see
+# twice.
+# Placeholders, each a dollar sign and its name in braces:
+#   node       the node asked (--nodelist)
+#   log        the job's output, which harbor-hpc reads
+#   sbatch     further #SBATCH lines, one a line, maybe none: --partition, --account, --qos
+#              and --sbatch-arg
+#   setup      the site's lines (harbor-hpc.toml's setup), as written
+#   image      a tiny zstd .sif in the store, shell-quoted
+#   mark       the line printed once the image ran, shell-quoted
+#SBATCH --job-name=harbor-hpc-ask-node
+#SBATCH --nodelist=${node}
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH --mem=512M
+#SBATCH --time=5
+#SBATCH --output=${log}
+#SBATCH --no-requeue
+${sbatch}
+# The site's lines first, as they are written (a module function may trip set -u).
+${setup}
+# The Apptainer our jobs would run there: HARBOR_HPC_APPTAINER, else the one on PATH.
+apptainer=$${HARBOR_HPC_APPTAINER:-apptainer}
+"$$apptainer" --version 2>&1
+"$$apptainer" exec ${image} /bin/sh -c true 2>&1 && echo ${mark}
