@@ -888,7 +888,6 @@ part_users() {
 
 # ----------------------------------------------------------------------------------------------
 # 6. Base images, from debootstrap root file systems cached as tarballs
-image_present() { docker image inspect "$1" >/dev/null 2>&1; }
 umount_under() { # unmount whatever a killed debootstrap left mounted below $1
   local m
   for m in $(awk -v d="$1" 'index($2, d "/") == 1 { print $2 }' /proc/mounts | sort -r); do
@@ -920,35 +919,45 @@ build_rootfs() {
   rm -rf "$root"
   PART_NOTE="debootstrapped $tar ($(du -m "$tar" | cut -f1) MB)"
 }
+# The test base image: python3 (the verifiers'), tmux and asciinema (terminus-2's: it installs
+# them with apt-get in every trial of an image without them, 7 s each), as task images have.
+# Its name changes with what it holds, so that a machine provisioned before builds it again.
+PY_ROOTFS=debian-bookworm-2
 bg_rootfs_python() {
-  if image_present "$BASE_IMAGE" 2>/dev/null && [ -s "$CACHE/rootfs/debian-bookworm.tar" ]; then
+  if image_is "$BASE_IMAGE" "$PY_ROOTFS" && [ -s "$CACHE/rootfs/$PY_ROOTFS.tar" ]; then
     PART_NOTE="reused"
     return 0
   fi
-  build_rootfs debian-bookworm python3,python3-venv,tmux,procps,ca-certificates
+  build_rootfs "$PY_ROOTFS" python3,python3-venv,tmux,asciinema,procps,ca-certificates
 }
 bg_rootfs_nopython() {
-  if image_present "$NOPY_IMAGE" 2>/dev/null && [ -s "$CACHE/rootfs/debian-nopython-bookworm.tar" ]; then
+  if image_is "$NOPY_IMAGE" debian-nopython-bookworm && [ -s "$CACHE/rootfs/debian-nopython-bookworm.tar" ]; then
     PART_NOTE="reused"
     return 0
   fi
   build_rootfs debian-nopython-bookworm ""
 }
-import_image() { # IMAGE TAR
-  if image_present "$1"; then
+# image_is IMAGE ROOTFS: IMAGE is there, imported from the root file system ROOTFS.
+image_is() {
+  [ "$(docker image inspect -f '{{index .Config.Labels "harbor-hpc-ci.rootfs"}}' "$1" 2>/dev/null)" = "$2" ]
+}
+import_image() { # IMAGE ROOTFS: from $CACHE/rootfs/ROOTFS.tar, labelled with its name
+  if image_is "$1" "$2"; then
     echo "$1 reused"
     return 0
   fi
-  docker import --change 'CMD ["/bin/bash"]' "$2" "$1" >/dev/null
+  docker import --change 'CMD ["/bin/bash"]' --change "LABEL harbor-hpc-ci.rootfs=$2" \
+    "$CACHE/rootfs/$2.tar" "$1" >/dev/null
   echo "$1 imported"
 }
 part_images() {
   local a b
-  a=$(import_image "$BASE_IMAGE" "$CACHE/rootfs/debian-bookworm.tar")
-  b=$(import_image "$NOPY_IMAGE" "$CACHE/rootfs/debian-nopython-bookworm.tar")
+  a=$(import_image "$BASE_IMAGE" "$PY_ROOTFS")
+  b=$(import_image "$NOPY_IMAGE" debian-nopython-bookworm)
   if [[ $a == *imported ]]; then
     docker run --rm "$BASE_IMAGE" python3 -c 'import sys, venv; assert sys.version_info[:2] == (3, 11)' ||
       die "$BASE_IMAGE has no working python3"
+    docker run --rm "$BASE_IMAGE" asciinema --version >/dev/null || die "$BASE_IMAGE has no asciinema"
   fi
   if [[ $b == *imported ]] && docker run --rm "$NOPY_IMAGE" sh -c 'command -v python3' >/dev/null 2>&1; then
     die "$NOPY_IMAGE has a python3"
