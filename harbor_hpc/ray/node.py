@@ -332,7 +332,10 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     no_head = False
     try:
         if head:
-            command = _ray_start(ray_dir, "--head", "--port=0", "--include-dashboard=false", *own)
+            # No dashboard, and no autoscaler monitor: Slurm, not Ray, gives the cluster its
+            # nodes (node states come from the GCS), and each costs the head CPU for the job's life.
+            head_only = ("--head", "--port=0", "--include-dashboard=false", "--no-monitor")
+            command = _ray_start(ray_dir, *head_only, *own)
             ray, address, attempts = _start_head(command, env, ray_dir)
             atomic_write_text(address_file(cluster_dir, job_id), address + "\n")
             code = ray.wait()
