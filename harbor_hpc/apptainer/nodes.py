@@ -65,9 +65,8 @@ class Asked:
                     f"cannot read a zstd image: {said}"
                 )
         if self.unanswered:
-            return f"{len(self.unanswered)} node(s) of {self.key} did not answer: " + ", ".join(
-                self.unanswered[:5]
-            )
+            names = ", ".join(self.unanswered[:5]) + (" ..." if len(self.unanswered) > 5 else "")
+            return f"{_count(len(self.unanswered), 'node')} of {self.key} did not answer: {names}"
         return ""
 
     def to_json(self) -> dict[str, Any]:
@@ -144,5 +143,18 @@ def zstd_verdict() -> tuple[bool | None, str]:
             return False, entry.why_not_zstd()
     nodes = sum(len(entry.answers) for entry in asked)
     partitions = ", ".join(entry.key for entry in asked)
-    age_h = (time.time() - max(entry.when for entry in asked)) / 3600
-    return True, f"the {nodes} node(s) of {partitions} read zstd images (asked {age_h:.0f} h ago)"
+    age = _age(time.time() - max(entry.when for entry in asked))
+    return True, f"{_count(nodes, 'node')} of {partitions} read zstd images (asked {age})"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _age(seconds: float) -> str:
+    """`5 min ago`, `3 h ago`, `2 days ago`."""
+    if seconds < 3600:
+        return f"{max(seconds // 60, 0):.0f} min ago"
+    if seconds < 2 * 86400:
+        return f"{seconds // 3600:.0f} h ago"
+    return f"{seconds // 86400:.0f} days ago"

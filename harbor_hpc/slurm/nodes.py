@@ -61,7 +61,8 @@ def ask_nodes(
             job = cluster.submit_script(script, what=f"asking node {node}", hint=_HINT)
             jobs[job] = node
             still.add(job)
-        say(f"asked {len(jobs)} node(s) of {nodes.partition}; waiting up to {timeout:.0f} s")
+        asked = f"asked {len(jobs)} node(s) of {nodes.partition}, a job each"
+        say(f"{asked}; waiting up to {timeout:.0f} s for their answers")
         deadline = time.monotonic() + timeout
         while still and time.monotonic() < deadline:
             time.sleep(POLL_S)

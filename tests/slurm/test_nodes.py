@@ -16,6 +16,7 @@ import pytest
 from harbor_hpc.apptainer.nodes import answers_file, parse_answer, zstd_verdict
 from harbor_hpc.apptainer.runtime import sif_compression, zstd_here
 from harbor_hpc.slurm.cluster import parse_partition_nodes
+from tests.conftest import MultiNode
 from tests.support.cli import cli
 from tests.support.images import TinyImage, squashfs_compression
 
@@ -132,6 +133,25 @@ def test_the_nodes_are_asked_and_images_follow_their_answers(
     checks = json.loads(cli("doctor", "--json", check=False).stdout)
     compression = next(check for check in checks if check["check"] == "compression")
     assert compression["status"] == "ok" and "1.3.6" in compression["detail"]
+
+
+@pytest.mark.multinode
+@pytest.mark.slurm
+@pytest.mark.apptainer
+def test_each_node_of_a_partition_answers_from_a_job_of_its_own(
+    multinode: MultiNode, home_of_its_own: Path
+) -> None:
+    if zstd_here() is not None:
+        pytest.skip(f"this node makes no zstd images: {zstd_here()}")
+    store = multinode.work / "store"  # every node reads the probe image there
+    env = {**multinode.env, "HOME": str(home_of_its_own)}
+    report = json.loads(
+        cli("doctor", "--nodes", "--cache-dir", str(store), "--json", env=env).stdout
+    )
+    assert report["partition"] == "multi"  # the default partition, unnamed
+    answers = {answer["node"]: answer["reads_zstd"] for answer in report["answers"]}
+    assert answers == {"n1": True, "n2": True, "n3": True}, report
+    assert report["compression"] == "zstd"
 
 
 def _converted(tiny_image: TinyImage, store: Path) -> str:
