@@ -108,7 +108,11 @@ def plan_groups(
         )
         group_tasks = [tasks[rel] for rel in dict.fromkeys(unit.task for unit in members)]
         trials = max(len(chunk) for chunk in chunks)
-        group = Group(_resources(options, group_tasks, trials, limits), chunks)
+        # What the trials need; the user's options may give the element less (below).
+        element = element_resources(
+            group_tasks, trials=trials, concurrency=int(options["concurrency"])
+        )
+        group = Group(_resources(options, element, group_tasks, limits), chunks)
         if not local:
             group.requeue_warning_s = cluster.requeue_warning_s(group.resources.time_min)
             working_s = group.resources.time_min * 60 - group.requeue_warning_s
@@ -118,11 +122,8 @@ def plan_groups(
                 for rel, budget in sorted(budgets.items())
                 if budget > working_s
             }
-            needed = element_resources(
-                group_tasks, trials=trials, concurrency=int(options["concurrency"])
-            ).mem_mb
-            if group.resources.mem_mb < needed:
-                group.memory_needed_mb = needed
+            if group.resources.mem_mb < element.mem_mb:
+                group.memory_needed_mb = element.mem_mb
         groups.append(group)
     return groups
 
@@ -152,11 +153,10 @@ def _grouping_key(options: dict[str, Any], task: Task) -> TrialRequest:
 
 
 def _resources(
-    options: dict[str, Any], tasks: list[Task], trials: int, limits: NodeLimits | None
+    options: dict[str, Any], element: Resources, tasks: list[Task], limits: NodeLimits | None
 ) -> Resources:
-    """What the user gave, passed on as is; the rest derived from `tasks` and cut to fit the
-    partition's biggest node (`limits`)."""
-    element = element_resources(tasks, trials=trials, concurrency=int(options["concurrency"]))
+    """What the user gave, passed on as is; the rest from what `tasks`' trials need (`element`)
+    cut to fit the partition's biggest node (`limits`)."""
     if "gres" in recorded_placement(options).sbatch():
         element = replace(element, gpu_types=())  # the user's GRES names the GPUs
     try:
