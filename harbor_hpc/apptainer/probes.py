@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harbor_hpc.apptainer import gpus, nodes
+from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
 from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.network import (
@@ -55,7 +55,6 @@ from harbor_hpc.apptainer.runtime import (
     sif_compression,
     site_policy_fix,
     task_container_command,
-    zstd_here,
 )
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError
@@ -770,9 +769,7 @@ def compression_findings() -> list[Finding]:
 def _compression_finding() -> Finding:
     compression = sif_compression()
     detail = f"{compression.name}: {compression.why}"
-    if compression.name == SQUASHFS_COMPRESSION or zstd_here() is not None:
-        return Finding("compression", Status.OK, detail)
-    if nodes.zstd_verdict()[0] is None:
+    if compression.askable:
         return Finding(
             "compression",
             Status.WARN,

@@ -4,6 +4,7 @@ reads a zstd .sif, and every .sif made after compressed as all of them can read 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.apptainer.nodes import answers_file, parse_answer, zstd_verdict
-from harbor_hpc.apptainer.runtime import sif_compression, zstd_here
+from harbor_hpc.apptainer.runtime import build_command, sif_compression, zstd_here
 from harbor_hpc.slurm.cluster import parse_partition_nodes
 from tests.conftest import MultiNode
 from tests.support.cli import cli
@@ -70,7 +71,7 @@ def test_a_nodes_answer_is_read_from_what_its_job_printed() -> None:
 
 @pytest.mark.apptainer
 def test_nodes_never_asked_get_gzip_and_doctor_says_how_to_ask(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     if zstd_here() is not None:
         pytest.skip(f"this node makes no zstd images: {zstd_here()}")
@@ -81,6 +82,12 @@ def test_nodes_never_asked_get_gzip_and_doctor_says_how_to_ask(
     assert zstd_verdict()[0] is None
     assert sif_compression().name == "gzip"
     assert "have not been asked" in sif_compression().why
+    # A command that makes an image says so, once.
+    with caplog.at_level(logging.WARNING):
+        command = build_command("image.sif", "docker://x")
+        build_command("other.sif", "docker://y")
+    assert "--mksquashfs-args" not in command
+    assert caplog.text.count("images are made with gzip: the compute nodes have not") == 1
     checks = json.loads(cli("doctor", "--json", check=False).stdout)
     compression = next(check for check in checks if check["check"] == "compression")
     assert compression["status"] == "warn" and "doctor --nodes" in compression["fix"]
