@@ -57,7 +57,7 @@ from harbor_hpc.apptainer.runtime import (
     task_container_command,
 )
 from harbor_hpc.core.config import load_config
-from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import file_lock, filesystem_type
 from harbor_hpc.core.probe import Finding, Status, current_user
 from harbor_hpc.core.proc import Ran, run
@@ -762,6 +762,8 @@ def compression_findings() -> list[Finding]:
     where zstd could be had by asking the nodes; none where there is no Apptainer to ask."""
     try:
         return [_compression_finding()]
+    except InputError as exc:  # a sif_compression harbor-hpc.toml should not have
+        return [Finding("compression", Status.WARN, exc.message, exc.hint or "")]
     except HarborHpcError:  # no Apptainer: its part says so
         return []
 

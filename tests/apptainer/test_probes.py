@@ -118,6 +118,9 @@ def test_sif_compression_gzip_is_a_site_choice(
     zstd_here.cache_clear()
     with pytest.raises(InputError, match="must be one of auto, zstd, gzip, not 'lz4'"):
         sif_compression()
+    # doctor names it rather than leaving the line out.
+    [finding] = probes.compression_findings()
+    assert finding.status is Status.WARN and "not 'lz4'" in finding.detail
 
 
 @pytest.mark.apptainer
