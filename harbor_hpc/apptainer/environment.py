@@ -86,7 +86,7 @@ from harbor_hpc.apptainer.network import (
 from harbor_hpc.apptainer.options import SingularityOptions
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
 from harbor_hpc.apptainer.probes import install_problem, missing_subid_ranges, ran_out
-from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
+from harbor_hpc.apptainer.roots import WAIT_FOR_UNPACK_S, Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
     OVERLAY_OFF,
@@ -480,7 +480,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if self._roots is None:
             return
         began = time.monotonic()
+        # Found being unpacked (a fleet started together): its root, unless that takes too long.
+        under_way = self._roots.unpacking(container.sif)
         lease = await asyncio.to_thread(self._roots.lease, container.sif)
+        if lease is None and under_way:
+            deadline = began + WAIT_FOR_UNPACK_S
+            while self._roots.unpacking(container.sif) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            lease = await asyncio.to_thread(self._roots.lease, container.sif)
         if lease is not None:
             self._root_leases.append(lease)
             container.root = lease.root

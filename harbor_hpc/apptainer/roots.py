@@ -7,7 +7,9 @@ rename a directory (EXDEV), so dpkg cannot install packages there; a trial that 
 node (an RL trainer restarts the same few images thousands of times), in the background, its
 own start running from the .sif meanwhile; on a disk, never a tmpfs; never past a quarter of
 the disk's free space (what the roots hold counted in). An image started once costs nothing but
-a mark. `unpacked_roots = N` (GiB) unpacks at an image's first start and keeps up to N GiB.
+a mark. The starts that find their image being unpacked (a fleet started together: the reuse is
+known) wait a while for its root rather than each mount the .sif with two FUSE daemons of its
+own. `unpacked_roots = N` (GiB) unpacks at an image's first start and keeps up to N GiB.
 
 From a .sif, Apptainer (unprivileged) mounts the image with squashfuse and must stack the
 writable overlay on it with fuse-overlayfs: every file the container opens is a round trip
@@ -56,6 +58,8 @@ UNPACK_TIMEOUT_S = 1800
 _DEVICE_NODE = re.compile(r"(could not|failed to) create (character|block) device")
 # After a failed unpack, the image runs from its .sif this long before it is tried again.
 RETRY_AFTER_S = 600
+# A start that finds its image being unpacked waits this long for the root, then takes the .sif.
+WAIT_FOR_UNPACK_S = 15.0
 # unsquashfs as root of a user namespace mapped as Apptainer's fakeroot maps it (root the user,
 # 1 and up the user's subordinate ids): every file keeps the owner the image gave it.
 UNPACK_AS_ROOT = ("unshare", "--map-root-user", "--map-auto")
@@ -111,14 +115,43 @@ class UnpackedRoots:
             log.warning("unpacked roots: %s: %s: the .sif is used", sif, exc)
             return None
 
+    def unpacking(self, sif: Path) -> bool:
+        """Whether `sif` is being unpacked on the node now, by this process or another."""
+        try:
+            key = self._key(sif)
+        except OSError:
+            return False
+        with _unpacking_lock:
+            if key in _unpacking:
+                return True
+        if (self.folder / key).is_dir():
+            return False
+        # The root's lock is held while it is made (a killed unpack's is free again).
+        try:
+            fd = os.open(self.folder / f".{key}.lock", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    @staticmethod
+    def _key(sif: Path) -> str:
+        """The root's name: the image's path, size and time (a new image, a new root)."""
+        stat = sif.stat()
+        return hashlib.sha256(
+            f"{sif.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
+        ).hexdigest()[:32]
+
     def _lease(self, sif: Path) -> Lease | None:
         partition = root_partition(sif)
         if partition is None or not self._ours():
             return None
-        stat = sif.stat()
-        key = hashlib.sha256(
-            f"{sif.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
-        ).hexdigest()[:32]
+        key = self._key(sif)
         root = self.folder / key
         failed = self.folder / f"{key}.failed"
         with contextlib.suppress(FileNotFoundError):

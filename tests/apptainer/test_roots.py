@@ -1,8 +1,9 @@
 """Images unpacked on the node's disk (`unpacked_roots`): shared, kept owned as in the image,
 removed least recently used first but never while a container runs from them, and the .sif
-whenever unpacking fails; with `auto` from an image's second start, in the background, on a disk
-and under a share of its free space. A trial run so says so (directories cannot be renamed
-there). Real unsquashfs, unshare and Apptainer, as the tester."""
+whenever unpacking fails; with `auto` from an image's second start, in the background (the starts
+that find it being unpacked waiting for it), on a disk and under a share of its free space. A
+trial run so says so (directories cannot be renamed there). Real unsquashfs, unshare and
+Apptainer, as the tester."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import asyncio
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -165,6 +168,41 @@ def test_auto_unpacks_an_image_that_starts_again_in_the_background(
     assert len(wait_for_root(folder)) == 1
     assert root_mount(tmp_path / "third", image, scratch) == "overlay (said)"
     assert gone_within(10, lambda: container_processes(image)) == []
+
+
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_a_start_that_finds_its_image_being_unpacked_waits_for_the_root(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """A fleet started together: another process of the node unpacks the image (its unsquashfs
+    slowed by three seconds), and a start meanwhile runs from the root it waited for, not from
+    the .sif."""
+    image = copy_of(debian_sif, tmp_path / "images", "fleet.sif")
+    scratch = tmp_path / "scratch"
+    slow = tmp_path / "bin" / "unsquashfs"
+    slow.parent.mkdir()
+    slow.write_text(f'#!/bin/sh\nsleep 3\nexec {shutil.which("unsquashfs")} "$@"\n')
+    slow.chmod(0o755)
+    unpacker = (
+        "import sys, threading; from pathlib import Path;"
+        "from harbor_hpc.apptainer.roots import UnpackedRoots;"
+        "roots = UnpackedRoots.on_node(Path(sys.argv[1]), 'auto'); assert roots;"
+        "image = Path(sys.argv[2]); roots.lease(image); roots.lease(image);"
+        "[t.join() for t in threading.enumerate() if t.name.startswith('harbor-hpc-unpack')]"
+    )
+    path = f"{slow.parent}:{os.environ['PATH']}"
+    other = subprocess.Popen(
+        [sys.executable, "-c", unpacker, str(scratch), str(image)], env={**os.environ, "PATH": path}
+    )
+    roots = UnpackedRoots.on_node(scratch, "auto")
+    assert roots is not None
+    deadline = time.monotonic() + 30
+    while not roots.unpacking(image) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert roots.unpacking(image)
+    assert root_mount(tmp_path / "fleet", image, scratch) == "overlay (said)"
+    assert other.wait(timeout=60) == 0
+    assert not roots.unpacking(image)
 
 
 def test_auto_puts_no_roots_in_memory(tmp_path: Path) -> None:
