@@ -27,7 +27,8 @@ no subordinate ids, a full disk) runs from its .sif, as always.
 Each root has, beside it, `KEY.use`: a container holds a shared lock on it while it runs from
 the root, and its modification time says when the root was last used. A root is removed only
 under an exclusive lock on it, and a lease checks, once it has its lock, that the file it locked
-is still the one of that name.
+is still the one of that name. A root is made as `.KEY.partial` under the lock `.KEY.lock`, and
+renamed into place: what a killed unpack left (its lock free again) goes at the next unpack.
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ class UnpackedRoots:
         if not self._make_room(partition.size * _GROWTH, keep=key):
             log.info("unpacked roots: no room for %s under the share of the disk: its .sif", sif)
             return False
-        partial = self.folder / f".{key}.partial"  # what a killed unpack left goes first
+        self._remove_partials()
+        partial = self.folder / f".{key}.partial"  # what a killed unpack of this one left
         remove_private_dir(partial)
         done = run(
             [
@@ -276,6 +278,25 @@ class UnpackedRoots:
         (self.folder / f"{key}.size").write_text(str(size))
         os.rename(partial, self.folder / key)
         return True
+
+    def _remove_partials(self) -> None:
+        """Remove what killed unpacks of other images left: `.KEY.partial` folders whose lock
+        nobody holds (a partial being made keeps its lock held; so does this unpack's own)."""
+        for partial in self.folder.glob(".*.partial"):
+            key = partial.name[1:].removesuffix(".partial")
+            try:
+                fd = os.open(self.folder / f".{key}.lock", os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                remove_private_dir(partial)
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being made now
+            else:
+                remove_private_dir(partial)
+            finally:
+                os.close(fd)
 
     def _make_room(self, need: int, *, keep: str) -> bool:
         """Remove the least recently used roots no container uses until `need` more bytes fit

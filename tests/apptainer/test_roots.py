@@ -205,6 +205,46 @@ def test_a_start_that_finds_its_image_being_unpacked_waits_for_the_root(
     assert not roots.unpacking(image)
 
 
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_what_a_killed_unpack_left_goes_at_the_next_unpack(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """A process killed (SIGKILL, its whole session) after unsquashfs wrote the image but before
+    the root was renamed into place leaves a partial folder of the subuids' files; the next
+    unpack on the node, of another image, removes it."""
+    image = copy_of(debian_sif, tmp_path / "images", "killed.sif")
+    folder = tmp_path / "roots"
+    unpacked = tmp_path / "unsquashfs-done"
+    slow = tmp_path / "bin" / "unsquashfs"
+    slow.parent.mkdir()
+    real = shutil.which("unsquashfs")
+    slow.write_text(f'#!/bin/sh\n{real} "$@" && touch {unpacked} && sleep 120\n')
+    slow.chmod(0o755)
+    unpacker = (
+        "import sys; from pathlib import Path;"
+        "from harbor_hpc.apptainer.roots import UnpackedRoots;"
+        "UnpackedRoots(Path(sys.argv[1]), cap_bytes=1 << 40).lease(Path(sys.argv[2]))"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", unpacker, str(folder), str(image)],
+        env={**os.environ, "PATH": f"{slow.parent}:{os.environ['PATH']}"},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while not unpacked.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(other.pid, 9)
+    other.wait(timeout=30)
+    partials = list(folder.glob(".*.partial"))
+    assert len(partials) == 1 and (partials[0] / "etc").is_dir()
+    roots = UnpackedRoots(folder, cap_bytes=1 << 40)
+    lease = roots.lease(debian_sif)
+    assert lease is not None
+    lease.release()
+    assert list(folder.glob(".*.partial")) == []
+    assert len(roots_in(folder)) == 1
+
+
 def test_auto_puts_no_roots_in_memory(tmp_path: Path) -> None:
     assert UnpackedRoots.on_node(Path("/dev/shm"), "auto") is None  # a tmpfs: never
     assert UnpackedRoots.on_node(tmp_path, 0) is None  # the default: none
