@@ -107,6 +107,11 @@ class RolloutRequest:
     time_min: int | None = None
     # Shell lines every Slurm job of the batch runs first (`module load apptainer`).
     setup: list[str] | None = None
+    # Each Slurm element's memory in MB and its CPUs (None: sized from its trials, as submit
+    # sizes them), and sbatch options beyond those (`--gres=gpu:1`, `--constraint=...`).
+    mem_mb: int | None = None
+    cpus: int | None = None
+    sbatch_args: list[str] | None = None
     format: ExportFormat | str = ExportFormat.FULL
     # Seconds from the submission after which what has not finished is cancelled.
     deadline_s: float | None = None
@@ -122,6 +127,15 @@ class RolloutRequest:
         self.environment_kwargs = recordable(self.environment_kwargs, "environment_kwargs")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise InputError(f"deadline_s must be above 0, not {self.deadline_s}")
+        for name in ("mem_mb", "cpus"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise InputError(
+                    f"{name} must be a whole number of at least 1, not {value!r}",
+                    hint="or None, to have each element sized from its trials",
+                )
 
 
 def recordable(kwargs: dict[str, Any], name: str) -> dict[str, Any]:
@@ -234,6 +248,9 @@ def follow_rollouts(
             qos=request.qos,
             time_min=request.time_min,
             setup=request.setup,
+            sbatch_args=request.sbatch_args,
+            mem_mb=request.mem_mb,
+            cpus=request.cpus,
             attempts=request.attempts,
             concurrency=request.concurrency,
             model_check=request.model_check,

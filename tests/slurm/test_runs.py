@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
+from harbor_hpc.api import InputError, Progress, RolloutRequest, run_rollouts
 from harbor_hpc.results.record import RunPaths, load_run, read_markers
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
@@ -523,3 +524,38 @@ def test_a_trial_the_jobs_memory_cgroup_kills_is_named_not_scored(
     assert "OOM killer" in hog["message"] and "held to 1500 MB" in hog["message"], hog
     # submit said so before queueing: the element asks less than its trials need.
     assert "an element asks for 1500 MB, less than" in waited.stderr, waited.stderr
+
+
+def test_a_trainers_batch_on_slurm_from_python(debian_sif: Path, tmp_path: Path) -> None:
+    """The trainer's path on Slurm: one `run_rollouts` call queues the batch's arrays with the
+    element memory, CPUs and sbatch options it was given, reports progress, waits, and returns
+    one trainable line per attempt; a wrong setting is raised before anything is queued."""
+    tasks = tmp_path / "tasks"
+    for name in ("one", "two"):
+        make_task(tasks, name, image=str(debian_sif), agent_timeout_sec=30)
+    run_dir = tmp_path / "run"
+    with pytest.raises(InputError, match="mem_mb must be a whole number of at least 1, not 0"):
+        RolloutRequest(tasks=tasks, run_dir=run_dir, agent="oracle", executor="slurm", mem_mb=0)
+    request = RolloutRequest(
+        tasks=tasks, run_dir=run_dir, agent="oracle", executor="slurm", attempts=2,
+        concurrency=2, mem_mb=1900, cpus=1, sbatch_args=["--comment=trainer-step-7"],
+    )  # fmt: skip
+    seen: list[Progress] = []
+    lines = run_rollouts(request, progress=seen.append)
+    assert sorted((line["task"], line["reward"], line["trainable"]) for line in lines) == [
+        ("one", 1.0, True),
+        ("one", 1.0, True),
+        ("two", 1.0, True),
+        ("two", 1.0, True),
+    ]
+    assert (seen[-1].done, seen[-1].total) == (4, 4)
+    scripts = [path.read_text() for path in RunPaths(run_dir).submitit.rglob("*_submission.sh")]
+    asked = {
+        line for script in scripts for line in script.splitlines() if line.startswith("#SBATCH")
+    }
+    assert {
+        "#SBATCH --mem=1900M",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --comment=trainer-step-7",
+    } <= asked
+    assert load_run(run_dir).options["mem_mb"] == 1900
