@@ -253,6 +253,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             if self._fakeroot and not missing_subid_ranges()
             else None
         )
+        # Why unpacked roots asked for are not used here, said once at the start.
+        self._roots_off: str | None = None
+        if self._roots is None and options.unpacked_roots != 0:
+            self._roots_off = (
+                "the task runs without fakeroot"
+                if not self._fakeroot
+                else "you have no subordinate id range (/etc/subuid) to unpack images with"
+                if missing_subid_ranges()
+                else "the scratch folder is a tmpfs (memory): `auto` unpacks onto disks only"
+            )
         self._root_leases: list[Lease] = []
         super().__init__(
             environment_dir=environment_dir,
@@ -478,6 +488,13 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         """Run `container` (the task's, a compose service's) from its image unpacked on this
         node, where it can be (roots.py)."""
         if self._roots is None:
+            if self._roots_off is not None:
+                self.logger.warning(
+                    "task %s: unpacked_roots is not used: %s; it runs from its .sif",
+                    self.environment_name,
+                    self._roots_off,
+                )
+                self._roots_off = None
             return
         began = time.monotonic()
         # Found being unpacked (a fleet started together): its root, unless that takes too long.

@@ -198,7 +198,9 @@ class UnpackedRoots:
             target=self._unpack_in_background,
             args=(sif, partition, key),
             name=f"harbor-hpc-unpack-{key[:8]}",
-            daemon=True,
+            # Not a daemon: a process that ends meanwhile (a Slurm element after its one trial)
+            # waits for the unpack, else each would start it again and leave it half done.
+            daemon=False,
         ).start()
 
     def _unpack_in_background(self, sif: Path, partition: RootPartition, key: str) -> None:
@@ -250,7 +252,7 @@ class UnpackedRoots:
 
     def _unpack(self, sif: Path, partition: RootPartition, key: str) -> bool:
         if not self._make_room(partition.size * _GROWTH, keep=key):
-            log.info("unpacked roots: no room for %s under the share of the disk: its .sif", sif)
+            log.info("unpacked roots: no room for %s under the roots' cap: its .sif", sif)
             return False
         self._remove_partials()
         partial = self.folder / f".{key}.partial"  # what a killed unpack of this one left
@@ -300,8 +302,8 @@ class UnpackedRoots:
 
     def _make_room(self, need: int, *, keep: str) -> bool:
         """Remove the least recently used roots no container uses until `need` more bytes fit
-        under the cap. Whether they fit; a cap in GiB may be passed (the roots in use stay),
-        the share of the disk ("auto") never."""
+        under the cap. Whether they fit; a cap in GiB may be passed (the roots in use stay) by
+        an image within it, the share of the disk ("auto") never."""
         sizes = {}
         for path in self.folder.glob("*.size"):
             with contextlib.suppress(OSError, ValueError):
@@ -322,7 +324,8 @@ class UnpackedRoots:
                 return True
             if key != keep and self._remove_unused(key):
                 total -= sizes[key]
-        return total + need <= cap or self.cap_bytes is not None
+        # Past a cap in GiB only by the roots in use; an image bigger than the cap never.
+        return total + need <= cap or (self.cap_bytes is not None and need <= cap)
 
     def _remove_unused(self, key: str) -> bool:
         """Remove the root `key` if no container uses it; True when it is gone."""

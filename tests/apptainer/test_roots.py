@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,8 @@ import pytest
 from harbor_hpc.apptainer.limits import UNPACKED_ROOT, read_limits
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
+from harbor_hpc.apptainer.sif import root_partition
+from harbor_hpc.core.scratch import remove_private_dir
 from tests.support.environments import started
 from tests.support.processes import container_processes, gone_within, processes_naming
 from tests.support.small_disk import small_disk
@@ -77,7 +80,10 @@ def test_containers_run_from_one_unpacked_root(debian_sif: Path, tmp_path: Path)
 
 def test_roots_in_use_stay_and_the_least_recently_used_go(debian_sif: Path, tmp_path: Path) -> None:
     images = [copy_of(debian_sif, tmp_path / "images", f"{name}.sif") for name in "abc"]
-    roots = UnpackedRoots(tmp_path / "roots", cap_bytes=1)
+    partition = root_partition(debian_sif)
+    assert partition is not None
+    # Room for one image (what an unpack asks: four times the packed size), never for two.
+    roots = UnpackedRoots(tmp_path / "roots", cap_bytes=partition.size * 6)
     a = roots.lease(images[0])
     b = roots.lease(images[1])
     assert a is not None and b is not None
@@ -121,6 +127,14 @@ def test_an_image_that_does_not_fit_runs_from_its_sif(debian_sif: Path, tmp_path
                 return ran.stdout or ""
 
         assert asyncio.run(main()) == "fuse.fuse-overlayfs\n"
+
+
+def test_an_image_bigger_than_the_cap_runs_from_its_sif(debian_sif: Path, tmp_path: Path) -> None:
+    """`unpacked_roots = 0.01` (10 MB): the image (some 60 MB packed) is never unpacked."""
+    roots = UnpackedRoots.on_node(tmp_path, 0.01)
+    assert roots is not None
+    assert roots.lease(debian_sif) is None
+    assert roots_in(roots.folder) == [] and list(roots.folder.glob(".*.partial")) == []
 
 
 def test_a_roots_folder_of_someone_else_is_not_used(debian_sif: Path, tmp_path: Path) -> None:
@@ -206,6 +220,28 @@ def test_a_start_that_finds_its_image_being_unpacked_waits_for_the_root(
 
 
 @pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_a_process_that_ends_after_its_start_finishes_the_unpack_it_began(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """A Slurm element that runs one trial and ends: its process, ending right after the start
+    that began the background unpack, finishes it first, so the node's next start has the
+    root."""
+    image = copy_of(debian_sif, tmp_path / "images", "one-trial-elements.sif")
+    scratch = tmp_path / "scratch"
+    element = (
+        "import sys; from pathlib import Path;"
+        "from harbor_hpc.apptainer.roots import UnpackedRoots;"
+        "roots = UnpackedRoots.on_node(Path(sys.argv[1]), 'auto'); assert roots;"
+        "assert roots.lease(Path(sys.argv[2])) is None"
+    )
+    for _ in range(2):  # the first marks the image seen, the second begins the unpack
+        subprocess.run([sys.executable, "-c", element, str(scratch), str(image)], check=True)
+    folder = scratch / f"harbor-hpc-roots-{os.getuid()}"
+    assert len(roots_in(folder)) == 1
+    assert list(folder.glob(".*.partial")) == []
+
+
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
 def test_what_a_killed_unpack_left_goes_at_the_next_unpack(
     debian_sif: Path, tmp_path: Path
 ) -> None:
@@ -243,6 +279,24 @@ def test_what_a_killed_unpack_left_goes_at_the_next_unpack(
     lease.release()
     assert list(folder.glob(".*.partial")) == []
     assert len(roots_in(folder)) == 1
+
+
+def test_roots_asked_for_but_not_used_say_why(
+    debian_sif: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`auto` with the scratch folder in memory (a tmpfs): the trial runs from its .sif, and
+    its log says why, once."""
+    scratch = Path(tempfile.mkdtemp(prefix="harbor-hpc-test-", dir="/dev/shm"))
+    try:
+        assert root_mount(tmp_path / "env", debian_sif, scratch) == "fuse.fuse-overlayfs"
+    finally:
+        remove_private_dir(scratch)
+    why = (
+        "you have no subordinate id range"
+        if missing_subid_ranges()
+        else "the scratch folder is a tmpfs (memory): `auto` unpacks onto disks only"
+    )
+    assert caplog.text.count(f"unpacked_roots is not used: {why}") == 1
 
 
 def test_auto_puts_no_roots_in_memory(tmp_path: Path) -> None:
