@@ -1,5 +1,5 @@
 """What `submit` checks before anything is queued: environment kwargs the environment does not
-take, an environment that does not import, and the separate verifier's image; and `--scratch-dir`.
+take or values it refuses, an environment that does not import, and the separate verifier's image; and `--scratch-dir`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from harbor.environments.base import BaseEnvironment
 
+from harbor_hpc.api import InputError, RolloutRequest, run_rollouts
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.core.imports import import_class
@@ -95,6 +96,36 @@ def test_harbor_lists_our_typed_options_and_refuses_a_misspelt_one(environment: 
     with pytest.raises(ValueError, match="Unknown option 'fakerot'"):
         cls.parse_options({"fakerot": True})
     assert cls.parse_options({"fakeroot": "false", "unpacked_roots": "2"}).fakeroot is False
+
+
+def test_an_environment_kwarg_of_the_wrong_kind_is_refused_before_anything_runs(
+    tmp_path: Path,
+) -> None:
+    """Harbor's parsing of our typed options, before the batch (it was each trial's start that
+    failed): from the CLI, exit 2, and from a trainer's Python, an InputError in its words."""
+    refused = submit(
+        tmp_path, "--environment-kwarg", "unpacked_roots=sometimes", "--environment-kwarg",
+        "fakeroot=maybe",
+    )  # fmt: skip
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    error, hint = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert error.startswith(
+        "error: --environment-kwarg fakeroot='maybe', unpacked_roots='sometimes' refused: "
+        "fakeroot: Input should be a valid boolean"
+    )
+    assert "unpacked_roots.literal['auto']: Input should be 'auto'" in error
+    assert "harbor environment schema harbor_hpc.environment:SingularityEnvironment" in hint
+    assert not (tmp_path / "run").exists()
+
+    request = RolloutRequest(
+        tasks=tmp_path / "tasks", run_dir=tmp_path / "run", agent="oracle",
+        environment_kwargs={"unpacked_roots": -1},
+    )  # fmt: skip
+    with pytest.raises(InputError) as raised:
+        run_rollouts(request)
+    assert str(raised.value).startswith("environment_kwargs unpacked_roots=-1 refused: ")
+    assert "greater than or equal to 0" in str(raised.value)
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_unknown_environment_kwarg_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -13,7 +13,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs, flag
+from harbor_hpc.apptainer.environment_kwargs import (
+    accepted_environment_kwargs,
+    flag,
+    option_names,
+)
 from harbor_hpc.apptainer.store import sif_file, unavailable
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import InputError
@@ -187,6 +191,7 @@ def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
             f"--environment-kwarg {', '.join(unknown)}: not accepted by {environment}, which "
             f"takes: {', '.join(accepted) or 'none'}"
         )
+    _check_values(found, environment, kwargs)
     if issubclass(found, RaySingularityEnvironment):
         try:
             found.preflight(kwargs)
@@ -196,6 +201,22 @@ def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
             raise InputError(
                 said, hint=None if "ray up" in said else f"{hint} (or ray_cluster_dir)"
             ) from None
+
+
+def _check_values(found: Any, environment: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a kwarg's value that Harbor's parsing of the environment's typed options refuses,
+    here, in one line, rather than in every trial's start."""
+    typed = {name: kwargs[name] for name in option_names(found) if name in kwargs}
+    try:
+        found.parse_options(typed)
+    except ValueError as exc:  # Harbor's lines: a heading, `  option: why` each, a pointer
+        said = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")]
+        names = dict.fromkeys(line.split(":")[0].split(".")[0] for line in said)
+        given = ", ".join(f"{name}={typed[name]!r}" for name in names if name in typed)
+        raise InputError(
+            f"--environment-kwarg {given or 'values'} refused: {'; '.join(said) or exc}",
+            hint=f"`harbor environment schema {environment}` lists the options and their types",
+        ) from None
 
 
 def refuse_secrets(kwargs: dict[str, Any], option: str) -> None:
