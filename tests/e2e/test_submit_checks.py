@@ -1,5 +1,6 @@
 """What `submit` checks before anything is queued: environment kwargs the environment does not
-take or values it refuses, an environment that does not import, and the separate verifier's image; and `--scratch-dir`.
+take or values it refuses, an environment that does not import, and the separate verifier's
+image; and `--scratch-dir`.
 """
 
 from __future__ import annotations
