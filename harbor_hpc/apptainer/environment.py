@@ -65,8 +65,10 @@ from harbor_hpc.apptainer.errors import (
 )
 from harbor_hpc.apptainer.limits import (
     AS_YOU,
+    EXDEV_TEXT,
     IN_MEMORY,
     ONE_ID,
+    RENAME_REFUSED,
     ROOT_MAPPED,
     UNPACKED_ROOT,
     WRITABLE_TMPFS,
@@ -134,6 +136,9 @@ def _raise_soft_limits() -> None:
 
 # Variables every shell sets for itself: not something setup.sh chose to export.
 _SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL"}
+# The logs a container run from an unpacked root leaves are searched for EXDEV's words up to
+# this size each (terminus-2's, its trajectory included, are a few MB).
+_LOG_SCAN_BYTES = 64 << 20
 
 
 def exported_by_setup(before: bytes, after: bytes) -> dict[str, str]:
@@ -193,6 +198,24 @@ def environment_capabilities(
         gpus=gpus,
         docker_compose=True,
     )
+
+
+def _say_exdev(folders: list[Path]) -> bool:
+    """Whether a file under `folders` (the trial's agent and verifier logs, bounded in size)
+    holds EXDEV's words, read in chunks."""
+    overlap = len(EXDEV_TEXT) - 1
+    for folder in folders:
+        for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+            with contextlib.suppress(OSError):
+                if not path.is_file() or path.stat().st_size > _LOG_SCAN_BYTES:
+                    continue
+                with path.open("rb") as file:
+                    tail = b""
+                    while chunk := file.read(1 << 20):
+                        if EXDEV_TEXT in tail + chunk:
+                            return True
+                        tail = chunk[-overlap:]
+    return False
 
 
 def _exec_result(output: CommandOutput) -> ExecResult:
@@ -264,6 +287,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 else "the scratch folder is a tmpfs (memory): `auto` unpacks onto disks only"
             )
         self._root_leases: list[Lease] = []
+        # What the trial's folder says of this container's limits (limits.py).
+        self._limits: list[str] = []
         super().__init__(
             environment_dir=environment_dir,
             environment_name=environment_name,
@@ -476,6 +501,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             limits.append(WRITABLE_TMPFS)
         elif self._scratch is not None and filesystem_type(self._scratch.path) == "tmpfs":
             limits.append(IN_MEMORY)
+        self._limits = limits
         for limit in limits:
             self.logger.warning("task %s: %s", self.environment_name, limit)
         if self._network_problem is not None:
@@ -821,7 +847,19 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             self._raise_if_oom_killed()
             raise
         self._raise_if_oom_killed()
+        if main.root is not None and (EXDEV_TEXT in output.stdout or EXDEV_TEXT in output.stderr):
+            self._note_refused_rename()
         return _exec_result(output)
+
+    def _note_refused_rename(self) -> None:
+        """A command of a container run from an unpacked root printed EXDEV's words (in what
+        exec returned, or in the agent's and verifier's logs): say so in the trial's folder,
+        once, so that a reward it cost is named, not learned from."""
+        if RENAME_REFUSED in self._limits:
+            return
+        self._limits.append(RENAME_REFUSED)
+        self.logger.warning("task %s: %s", self.environment_name, RENAME_REFUSED)
+        write_limits(self.trial_paths.trial_dir, self._limits)
 
     async def _run_streaming(
         self, main: Container, script: bytes, timeout_sec: int | None, callback: Any
@@ -979,6 +1017,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             if self._compose is not None:
                 writable += self._volume_targets(self._compose.main.volumes)
             await self._main.stop(writable)
+            logs = [self.trial_paths.agent_dir, self.trial_paths.verifier_dir]
+            if self._main.root is not None and await asyncio.to_thread(_say_exdev, logs):
+                self._note_refused_rename()
             self._main = None
         for lease in self._root_leases:
             lease.release()

@@ -36,6 +36,16 @@ UNPACKED_ROOT = (
     "namespace): renaming a directory fails (EXDEV), so dpkg cannot install packages"
 )
 
+# What the trial's folder says, beside UNPACKED_ROOT, once a command's output shows the refusal
+# (strerror(EXDEV), as dpkg, Python and coreutils print it): a reward below the full one is
+# then not the policy's doing, and `status` and `export` name it so (results/classify.py).
+EXDEV_TEXT = b"Invalid cross-device link"
+RENAME_REFUSED = (
+    "a command failed to rename a directory (Invalid cross-device link), which its unpacked "
+    "root refuses and Docker allows: a reward below 1 is not the agent's (run it with "
+    "unpacked_roots = 0)"
+)
+
 
 def node_network(problem: str) -> str:
     return (

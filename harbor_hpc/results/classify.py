@@ -25,6 +25,7 @@ environment's names given to it (`harbor_hpc.apptainer.errors.error_policy_overr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
+from harbor_hpc.apptainer.limits import RENAME_REFUSED
 
 if TYPE_CHECKING:
     from harbor.models.trial.error_policy import ErrorPolicy
@@ -203,8 +205,19 @@ def primary_reward(rewards: dict[str, float]) -> float | None:
     return float(values[0]) if len(values) == 1 else sum(values) / len(values)
 
 
-def outcome_of_result(result: dict[str, Any]) -> Outcome:
-    """Classify a parsed result.json (Harbor's TrialResult as JSON)."""
+def outcome_of_result(result: dict[str, Any], limits: Sequence[str] = ()) -> Outcome:
+    """Classify a parsed result.json (Harbor's TrialResult as JSON), given what the trial's
+    folder says of its container's limits (apptainer/limits.py): where a command's directory
+    rename was refused by its unpacked root, a reward below 1 is the environment's, no
+    reward to learn from."""
+    outcome = _outcome_of_result(result)
+    learnable = outcome.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
+    if RENAME_REFUSED in limits and learnable and not (outcome.reward or 0) >= 1:
+        return Outcome(FailureClass.UNSUPPORTED, RENAME_REFUSED, outcome.reward, outcome.rewards)
+    return outcome
+
+
+def _outcome_of_result(result: dict[str, Any]) -> Outcome:
     verifier = result.get("verifier_result") or {}
     raw_rewards = verifier.get("rewards") or {}
     rewards = {

@@ -41,6 +41,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.apptainer.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError, InputError, choice, from_os_error
 from harbor_hpc.core.files import atomic_write_text, read_json
 from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_result
@@ -85,7 +86,7 @@ def collect_rollouts(
             result = read_json(trial_dir / "result.json")
         except HarborHpcError:
             continue  # its attempt's status says so, and gets a line below when it counts
-        outcome = trial_outcome(marker, outcome_of_result(result))
+        outcome = trial_outcome(marker, outcome_of_result(result, read_limits(trial_dir)))
         rollouts.append(
             rollout(
                 record,

@@ -463,6 +463,6 @@ def trial_rollout(trial_dir: Path, task_dir: Path, *, attempt: int = 0) -> dict[
         attempt=attempt,
         trial_dir=trial_dir,
         result=result,
-        outcome=outcome_of_result(result),
+        outcome=outcome_of_result(result, read_limits(trial_dir)),
         counts=True,
     ).line

@@ -95,7 +95,8 @@ def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
     except HarborHpcError as exc:
         message = f"unreadable result: {exc.message}"
         return Outcome(FailureClass.INFRASTRUCTURE, message, None, {})
-    return trial_outcome(marker, outcome_of_result(result))
+    limits = read_limits(RunPaths(run_dir).trial(marker.trial))
+    return trial_outcome(marker, outcome_of_result(result, limits))
 
 
 def trial_outcome(marker: Marker, outcome: Outcome) -> Outcome:

@@ -8,6 +8,7 @@ Apptainer, as the tester."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import stat
@@ -20,13 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.limits import UNPACKED_ROOT, read_limits
+from harbor_hpc.apptainer.limits import RENAME_REFUSED, UNPACKED_ROOT, read_limits
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
 from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.core.scratch import remove_private_dir
+from tests.support.cli import cli, cli_json
 from tests.support.environments import started
 from tests.support.processes import container_processes, gone_within, processes_naming
+from tests.support.sample_tasks import make_task
 from tests.support.small_disk import small_disk
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
@@ -297,6 +300,34 @@ def test_roots_asked_for_but_not_used_say_why(
         else "the scratch folder is a tmpfs (memory): `auto` unpacks onto disks only"
     )
     assert caplog.text.count(f"unpacked_roots is not used: {why}") == 1
+
+
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_a_rename_its_unpacked_root_refused_is_named_not_learned_from(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """A task that renames a directory as dpkg does: from the .sif it scores 1; from an unpacked
+    root the rename fails (EXDEV), and its reward 0 is the environment's, named in status and
+    export, never a trainable zero."""
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "renames", kind="renames_a_directory", image=str(debian_sif))
+    scratch = tmp_path / "scratch"
+    for run, roots in (("sif", "0"), ("roots", "2")):
+        cli(
+            "submit", str(tasks), "--agent", "oracle", "--run-dir", str(tmp_path / run),
+            "--executor", "local", "--scratch-dir", str(scratch), "--wait",
+            "--environment-kwarg", f"unpacked_roots={roots}", check=False,
+        )  # fmt: skip
+    (sif,) = cli_json("status", str(tmp_path / "sif"))
+    assert (sif["state"], sif["reward"], sif["failure"]) == ("done", 1.0, None)
+    (roots,) = cli_json("status", str(tmp_path / "roots"))
+    assert (roots["state"], roots["reward"], roots["failure"]) == ("failed", 0.0, "unsupported")
+    assert roots["message"] == RENAME_REFUSED
+    assert roots["limits"] == [UNPACKED_ROOT, RENAME_REFUSED]
+    out = tmp_path / "rollouts.jsonl"
+    cli("export", str(tmp_path / "roots"), "--out", str(out))
+    (line,) = [json.loads(text) for text in out.read_text().splitlines()]
+    assert (line["trainable"], line["failure"]) == (False, "unsupported")
 
 
 def test_auto_puts_no_roots_in_memory(tmp_path: Path) -> None:
