@@ -166,11 +166,31 @@ def test_an_environment_or_agent_that_does_not_import_is_named_in_one_line(
 
 
 def test_scratch_dir_goes_to_the_environment_as_scratch_dir(tmp_path: Path) -> None:
-    given = submit(tmp_path, "--scratch-dir", "/local/scratch/me")
+    scratch = tmp_path / "local" / "scratch"  # made by the trials that need it
+    given = submit(tmp_path, "--scratch-dir", str(scratch))
     assert given.returncode == 0, given.stderr
-    assert json.loads(given.stdout)["environment_kwargs"] == {"scratch_dir": "/local/scratch/me"}
+    assert json.loads(given.stdout)["environment_kwargs"] == {"scratch_dir": str(scratch)}
 
-    (tmp_path / "harbor-hpc.toml").write_text('scratch_dir = "/from/config"\n')
+    # Trials on this machine (the local executor) that could not write it are not started.
+    (tmp_path / "a-file").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for path, said in (
+        (tmp_path / "a-file", "not a folder"),
+        (locked, "you cannot write it"),
+        (locked / "below", f"you cannot write it (of {locked}, where it would be made)"),
+    ):
+        refused = submit(tmp_path, "--scratch-dir", str(path))
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr
+        error, hint = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert error == f"error: --scratch-dir {path}: {said}"
+        assert (
+            hint
+            == "hint: name a folder of yours on a local disk with room, or leave it out ($TMPDIR)"
+        )
+    assert not (tmp_path / "run").exists()
+
+    (tmp_path / "harbor-hpc.toml").write_text(f'scratch_dir = "{tmp_path / "from-config"}"\n')
     configured = submit(
         tmp_path,
         "--environment",
@@ -181,7 +201,7 @@ def test_scratch_dir_goes_to_the_environment_as_scratch_dir(tmp_path: Path) -> N
     assert configured.returncode == 0, configured.stderr
     assert json.loads(configured.stdout)["environment_kwargs"] == {
         "flavour": "spicy",
-        "scratch_dir": "/from/config",
+        "scratch_dir": str(tmp_path / "from-config"),
     }
     (tmp_path / "harbor-hpc.toml").unlink()
     assert (

@@ -203,6 +203,25 @@ def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
             ) from None
 
 
+def check_scratch(scratch: Path, environment: str) -> None:
+    """Refuse a --scratch-dir that trials on this machine (the local executor) cannot write, before
+    anything runs; on Slurm or Ray it is each node's own folder, which only the nodes can judge."""
+    if issubclass(import_class("--environment", environment), RaySingularityEnvironment):
+        return
+    path = scratch.expanduser()
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--scratch-dir {scratch}: not a folder", hint=SCRATCH_HINT)
+    nearest = path
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        held = "" if nearest == path else f" (of {nearest}, where it would be made)"
+        raise InputError(f"--scratch-dir {scratch}: you cannot write it{held}", hint=SCRATCH_HINT)
+
+
+SCRATCH_HINT = "name a folder of yours on a local disk with room, or leave it out ($TMPDIR)"
+
+
 def _check_values(found: Any, environment: str, kwargs: dict[str, Any]) -> None:
     """Refuse a kwarg's value that Harbor's parsing of the environment's typed options refuses,
     here, in one line, rather than in every trial's start."""

@@ -44,6 +44,7 @@ from harbor_hpc.steps.submit.checks import (
     agent_env,
     check_agent,
     check_environment,
+    check_scratch,
     default_agent_kwargs,
     image_problem,
     reference_check,
@@ -109,6 +110,9 @@ def submit_run(
     environment_kwargs = placed_environment_kwargs(options)
     check_environment(options.environment, environment_kwargs)
     executor = choose_executor(options.executor)
+    scratch = environment_kwargs.get("scratch_dir")  # --scratch-dir, or an environment kwarg
+    if executor is Executor.LOCAL and scratch:
+        check_scratch(Path(str(scratch)), options.environment)
     run_dir = run_dir.expanduser().absolute()
     discovery = discover_tasks(tasks_dir, require_dockerfile=False)
     if discovery.problems:
