@@ -247,7 +247,8 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
     Works while the run goes on and after; needs squeue for Slurm runs, not sacct. Failure
     classes: image, environment, unsupported, setup, memory, timeout, verifier, agent,
     infrastructure (resubmit those). Each failure's message follows the table, cut to one line;
-    -v shows it whole, and the trial folder of every attempt.
+    -v shows its first 300 characters, wrapped, and the trial folder of every attempt (whose
+    exception.txt holds the rest).
 
     Example: harbor-hpc status runs/oracle -v
     """
