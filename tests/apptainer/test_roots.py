@@ -330,6 +330,36 @@ def test_a_rename_its_unpacked_root_refused_is_named_not_learned_from(
     assert (line["trainable"], line["failure"]) == (False, "unsupported")
 
 
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_an_exec_that_shows_a_refused_rename_is_noted_once(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """What an agent that reads its commands' output (terminus-2) sees: the refusal in an exec's
+    answer is noted in the trial's folder at once, and only once."""
+    rename = (
+        'python3 -c \'import os; os.makedirs("/usr/share/x.new", exist_ok=True); '
+        'os.rename("/usr/share/x.new", "/usr/share/x")\''
+    )
+
+    async def main() -> list[list[str]]:
+        seen = []
+        async with started(
+            debian_sif, tmp_path / "env", scratch_dir=str(tmp_path / "scratch"), unpacked_roots=2
+        ) as environment:
+            seen.append(read_limits(tmp_path / "env" / "trial"))
+            for _ in range(2):
+                ran = await environment.exec(rename)
+                assert "Invalid cross-device link" in (ran.stderr or "")
+                seen.append(read_limits(tmp_path / "env" / "trial"))
+        return seen
+
+    assert asyncio.run(main()) == [
+        [UNPACKED_ROOT],
+        [UNPACKED_ROOT, RENAME_REFUSED],
+        [UNPACKED_ROOT, RENAME_REFUSED],
+    ]
+
+
 def test_auto_puts_no_roots_in_memory(tmp_path: Path) -> None:
     assert UnpackedRoots.on_node(Path("/dev/shm"), "auto") is None  # a tmpfs: never
     assert UnpackedRoots.on_node(tmp_path, 0) is None  # the default: none
