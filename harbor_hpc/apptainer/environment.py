@@ -848,15 +848,18 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             raise
         self._raise_if_oom_killed()
         if main.root is not None and (EXDEV_TEXT in output.stdout or EXDEV_TEXT in output.stderr):
-            self._note_refused_rename()
+            self._note_refused_rename(main)
         return _exec_result(output)
 
-    def _note_refused_rename(self) -> None:
+    def _note_refused_rename(self, main: Container) -> None:
         """A command of a container run from an unpacked root printed EXDEV's words (in what
         exec returned, or in the agent's and verifier's logs): say so in the trial's folder,
-        once, so that a reward it cost is named, not learned from."""
+        once, so that a reward it cost is named, not learned from; and run the image from its
+        .sif on this node from now on."""
         if RENAME_REFUSED in self._limits:
             return
+        if self._roots is not None:
+            self._roots.refuse(main.sif)
         self._limits.append(RENAME_REFUSED)
         self.logger.warning("task %s: %s", self.environment_name, RENAME_REFUSED)
         write_limits(self.trial_paths.trial_dir, self._limits)
@@ -1019,7 +1022,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             await self._main.stop(writable)
             logs = [self.trial_paths.agent_dir, self.trial_paths.verifier_dir]
             if self._main.root is not None and await asyncio.to_thread(_say_exdev, logs):
-                self._note_refused_rename()
+                self._note_refused_rename(self._main)
             self._main = None
         for lease in self._root_leases:
             lease.release()

@@ -42,8 +42,8 @@ UNPACKED_ROOT = (
 EXDEV_TEXT = b"Invalid cross-device link"
 RENAME_REFUSED = (
     "a command failed to rename a directory (Invalid cross-device link), which its unpacked "
-    "root refuses and Docker allows: a reward below 1 is not the agent's (run it with "
-    "unpacked_roots = 0)"
+    "root refuses and Docker allows: a reward below 1 is not the agent's; the image runs from "
+    "its .sif on this node from now on (`resubmit --failed` runs the attempt again)"
 )
 
 

@@ -28,7 +28,9 @@ Each root has, beside it, `KEY.use`: a container holds a shared lock on it while
 the root, and its modification time says when the root was last used. A root is removed only
 under an exclusive lock on it, and a lease checks, once it has its lock, that the file it locked
 is still the one of that name. A root is made as `.KEY.partial` under the lock `.KEY.lock`, and
-renamed into place: what a killed unpack left (its lock free again) goes at the next unpack.
+renamed into place: what a killed unpack left (its lock free again) goes at the next unpack. An
+image one of whose containers had a directory rename refused (`refuse`: a task that installs
+packages, say) is marked `KEY.renames` and runs from its .sif on the node from then on.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ class UnpackedRoots:
             log.warning("unpacked roots: %s: %s: the .sif is used", sif, exc)
             return None
 
+    def refuse(self, sif: Path) -> None:
+        """A container of `sif` failed a directory rename in its root (EXDEV, which Docker
+        allows): the image's next starts on the node run from its .sif (`KEY.renames`)."""
+        with contextlib.suppress(OSError):
+            (self.folder / f"{self._key(sif)}.renames").touch()
+
     def unpacking(self, sif: Path) -> bool:
         """Whether `sif` is being unpacked on the node now, by this process or another."""
         try:
@@ -154,6 +162,8 @@ class UnpackedRoots:
             return None
         key = self._key(sif)
         root = self.folder / key
+        if (self.folder / f"{key}.renames").exists():
+            return None  # its tasks rename directories: never from a root again on this node
         failed = self.folder / f"{key}.failed"
         with contextlib.suppress(FileNotFoundError):
             if time.time() - failed.stat().st_mtime < RETRY_AFTER_S:

@@ -8,7 +8,8 @@ names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's t
     environment     the container could not be provided: Apptainer refused (no user namespaces
                     or subuid ranges: `harbor-hpc doctor`), a bad environment kwarg, or anything
                     else that failed before the agent started (fix the cluster setup, rerun)
-    unsupported     the task needs what the environment cannot give faithfully (a compose feature)
+    unsupported     the task needs what the environment cannot give faithfully (a compose
+                    feature; a directory rename its unpacked root refused)
     setup           the task's setup.sh or healthcheck failed (fix the task)
     memory          the memory watchdog killed the container (raise memory_mb or fix the task)
     timeout         the agent or the verifier ran out of time (raise timeouts or accept)

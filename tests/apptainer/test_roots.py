@@ -308,7 +308,8 @@ def test_a_rename_its_unpacked_root_refused_is_named_not_learned_from(
 ) -> None:
     """A task that renames a directory as dpkg does: from the .sif it scores 1; from an unpacked
     root the rename fails (EXDEV), and its reward 0 is the environment's, named in status and
-    export, never a trainable zero."""
+    export, never a trainable zero; the node then runs the image from its .sif, and the attempt
+    run again scores 1."""
     tasks = tmp_path / "tasks"
     make_task(tasks, "renames", kind="renames_a_directory", image=str(debian_sif))
     scratch = tmp_path / "scratch"
@@ -328,6 +329,10 @@ def test_a_rename_its_unpacked_root_refused_is_named_not_learned_from(
     cli("export", str(tmp_path / "roots"), "--out", str(out))
     (line,) = [json.loads(text) for text in out.read_text().splitlines()]
     assert (line["trainable"], line["failure"]) == (False, "unsupported")
+    # The node runs that image from its .sif from then on: the attempt run again scores.
+    cli("resubmit", str(tmp_path / "roots"), "--failed", "--wait")
+    (again,) = cli_json("status", str(tmp_path / "roots"))
+    assert (again["state"], again["reward"], again["limits"]) == ("done", 1.0, [])
 
 
 @pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
