@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from harbor.environments.options import EnvironmentOptions
-from pydantic import Field
+from pydantic import BeforeValidator, Field
+
+
+def _not_a_flag(value: object) -> object:
+    """A size is no yes/no: `unpacked_roots=true` would otherwise be 1 GiB."""
+    if isinstance(value, bool):
+        raise ValueError("a number of GiB, not true or false")
+    return value
 
 
 class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor ships no types
@@ -62,7 +69,9 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         description="`name:address,...` lines for the container's /etc/hosts, as "
         "`docker run --add-host` (a network allowlist resolves these names so too).",
     )
-    unpacked_roots: Annotated[float, Field(ge=0)] | Literal["auto"] = Field(
+    unpacked_roots: Annotated[
+        Annotated[float, Field(ge=0)] | Literal["auto"], BeforeValidator(_not_a_flag)
+    ] = Field(
         0,
         description="Run task containers from their images unpacked in the scratch folder, some "
         "four times as fast to start, but renaming a directory fails there (dpkg cannot install "

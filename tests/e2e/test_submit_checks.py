@@ -114,7 +114,10 @@ def test_an_environment_kwarg_of_the_wrong_kind_is_refused_before_anything_runs(
         "error: --environment-kwarg fakeroot='maybe', unpacked_roots='sometimes' refused: "
         "fakeroot: Input should be a valid boolean"
     )
-    assert "unpacked_roots.literal['auto']: Input should be 'auto'" in error
+    assert error.endswith(
+        "unpacked_roots: Input should be a valid number, unable to parse string as a number; "
+        "unpacked_roots: Input should be 'auto'"
+    )
     assert "harbor environment schema harbor_hpc.environment:SingularityEnvironment" in hint
     assert not (tmp_path / "run").exists()
 
@@ -127,6 +130,11 @@ def test_an_environment_kwarg_of_the_wrong_kind_is_refused_before_anything_runs(
     assert str(raised.value).startswith("environment_kwargs unpacked_roots=-1 refused: ")
     assert "greater than or equal to 0" in str(raised.value)
     assert not (tmp_path / "run").exists()
+
+    # A size is no yes/no (pydantic alone would take true for 1 GiB).
+    flag = submit(tmp_path, "--environment-kwarg", "unpacked_roots=true")
+    assert flag.returncode == 2
+    assert "unpacked_roots: Value error, a number of GiB, not true or false" in flag.stderr
 
 
 def test_an_unknown_environment_kwarg_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -229,11 +229,17 @@ def _check_values(found: Any, environment: str, kwargs: dict[str, Any]) -> None:
     try:
         found.parse_options(typed)
     except ValueError as exc:  # Harbor's lines: a heading, `  option: why` each, a pointer
-        said = [line.strip() for line in str(exc).splitlines() if line.startswith("  ")]
-        names = dict.fromkeys(line.split(":")[0].split(".")[0] for line in said)
+        # Harbor's `  option[.union branch]: why` lines, each branch's why under its option.
+        said = []
+        for line in str(exc).splitlines():
+            if line.startswith("  "):
+                where, _, why = line.strip().partition(": ")
+                said.append(f"{where.split('.')[0]}: {why}" if why else where)
+        names = dict.fromkeys(line.split(":")[0] for line in said)
         given = ", ".join(f"{name}={typed[name]!r}" for name in names if name in typed)
         raise InputError(
-            f"--environment-kwarg {given or 'values'} refused: {'; '.join(said) or exc}",
+            f"--environment-kwarg {given or 'values'} refused: "
+            + ("; ".join(dict.fromkeys(said)) or str(exc)),
             hint=f"`harbor environment schema {environment}` lists the options and their types",
         ) from None
 
