@@ -173,3 +173,14 @@ def test_a_task_without_its_image_is_raised_before_the_batch(tmp_path: Path) -> 
     with pytest.raises(InputError, match=r"1 task\(s\) have no image to run: .*lost.*gone\.sif"):
         run_rollouts(request(tmp_path))
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_a_list_field_given_a_string_is_refused_when_the_request_is_made(tmp_path: Path) -> None:
+    """`setup="module load apptainer"` would run each character as a shell line."""
+    for name in ("setup", "sbatch_args", "agent_env"):
+        given: dict[str, Any] = {name: "x y"}  # as a caller without a type checker may
+        with pytest.raises(InputError) as raised:
+            RolloutRequest(tasks=tmp_path, run_dir=tmp_path / "run", agent="oracle", **given)
+        assert str(raised.value) == f"{name} must be a list of strings, not the string 'x y'"
+        assert raised.value.hint == f"{name}=['x y']"
+    assert not (tmp_path / "run").exists()

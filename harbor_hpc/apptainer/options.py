@@ -70,7 +70,8 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         "`docker run --add-host` (a network allowlist resolves these names so too).",
     )
     unpacked_roots: Annotated[
-        Annotated[float, Field(ge=0)] | Literal["auto"], BeforeValidator(_not_a_flag)
+        Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"],
+        BeforeValidator(_not_a_flag),
     ] = Field(
         0,
         description="Run task containers from their images unpacked in the scratch folder, some "

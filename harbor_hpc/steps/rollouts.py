@@ -127,6 +127,12 @@ class RolloutRequest:
         self.environment_kwargs = recordable(self.environment_kwargs, "environment_kwargs")
         if self.deadline_s is not None and self.deadline_s <= 0:
             raise InputError(f"deadline_s must be above 0, not {self.deadline_s}")
+        for name in ("agent_env", "setup", "sbatch_args"):
+            if isinstance(getattr(self, name), str):  # each character would be one item
+                raise InputError(
+                    f"{name} must be a list of strings, not the string {getattr(self, name)!r}",
+                    hint=f"{name}=[{getattr(self, name)!r}]",
+                )
         for name in ("mem_mb", "cpus"):
             value = getattr(self, name)
             if value is not None and (

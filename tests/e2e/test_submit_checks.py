@@ -131,10 +131,13 @@ def test_an_environment_kwarg_of_the_wrong_kind_is_refused_before_anything_runs(
     assert "greater than or equal to 0" in str(raised.value)
     assert not (tmp_path / "run").exists()
 
-    # A size is no yes/no (pydantic alone would take true for 1 GiB).
+    # A size is no yes/no (pydantic alone would take true for 1 GiB), nor infinite.
     flag = submit(tmp_path, "--environment-kwarg", "unpacked_roots=true")
     assert flag.returncode == 2
     assert "unpacked_roots: Value error, a number of GiB, not true or false" in flag.stderr
+    endless = submit(tmp_path, "--environment-kwarg", "unpacked_roots=inf")
+    assert endless.returncode == 2
+    assert "unpacked_roots: Input should be a finite number" in endless.stderr
 
 
 def test_an_unknown_environment_kwarg_is_refused_in_one_line(tmp_path: Path) -> None:
