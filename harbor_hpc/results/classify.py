@@ -27,7 +27,7 @@ environment's names given to it (`harbor_hpc.apptainer.errors.error_policy_overr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -183,13 +183,15 @@ def short_message(exception_type: str, message: str) -> str:
 class Outcome:
     """What one finished trial came to: done (maybe with reward 0) or failed with a class.
     `valid`: its reward is one to learn from (Harbor's error policy says so for its failure;
-    a trial that ended cleanly always), else no reward a trainer may use."""
+    a trial that ended cleanly always), else no reward a trainer may use. `limits`: where its
+    container was weaker than Docker's (apptainer/limits.py), as its folder says."""
 
     failure: FailureClass | None
     message: str | None
     reward: float | None
     rewards: dict[str, float]
     valid: bool = False
+    limits: tuple[str, ...] = ()
 
     @property
     def state(self) -> AttemptState:
@@ -211,10 +213,12 @@ def outcome_of_result(result: dict[str, Any], limits: Sequence[str] = ()) -> Out
     folder says of its container's limits (apptainer/limits.py): where a command's directory
     rename was refused by its unpacked root, a reward below 1 is the environment's, no
     reward to learn from."""
-    outcome = _outcome_of_result(result)
+    outcome = replace(_outcome_of_result(result), limits=tuple(limits))
     learnable = outcome.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
     if RENAME_REFUSED in limits and learnable and not (outcome.reward or 0) >= 1:
-        return Outcome(FailureClass.UNSUPPORTED, RENAME_REFUSED, outcome.reward, outcome.rewards)
+        return replace(
+            outcome, failure=FailureClass.UNSUPPORTED, message=RENAME_REFUSED, valid=False
+        )
     return outcome
 
 

@@ -101,7 +101,9 @@ def collect_rollouts(
         seen.add(marker.trial)
     for status in statuses:
         if status.state is AttemptState.FAILED and status.trial not in seen:
-            outcome = Outcome(status.failure, status.message, status.reward, {})
+            outcome = Outcome(
+                status.failure, status.message, status.reward, {}, limits=tuple(status.limits)
+            )
             rollouts.append(
                 rollout(
                     record,

@@ -417,7 +417,7 @@ def rollout(
         "rewards": outcome.rewards,
         "failure": outcome.failure,
         "message": outcome.message,
-        "environment_limits": read_limits(trial_dir) if trial_dir is not None else [],
+        "environment_limits": list(outcome.limits),
         "instruction": None if steps else _instruction(task_dir / "instruction.md"),
         "steps": [_step_record(task_dir, trial_dir, s) for s in steps]
         if steps and trial_dir is not None

@@ -21,7 +21,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +83,21 @@ def _job_fates(record: RunRecord, alive: Collection[str]) -> dict[Unit, _JobFate
 
 def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
     """The trial's outcome when it has ended (result.json, or a failure before Harbor began)."""
-    result_path = RunPaths(run_dir).trial(marker.trial) / "result.json"
+    trial_dir = RunPaths(run_dir).trial(marker.trial)
+    result_path = trial_dir / "result.json"
+    limits = read_limits(trial_dir)
     if not result_path.is_file():
         if marker.error_type:
             message = short_message(marker.error_type, marker.error_message or "")
             failure = failure_class(marker.error_type, agent_started=False)
-            return trial_outcome(marker, Outcome(failure, message, None, {}))
+            outcome = Outcome(failure, message, None, {}, limits=tuple(limits))
+            return trial_outcome(marker, outcome)
         return None
     try:
         result = read_json(result_path)
     except HarborHpcError as exc:
         message = f"unreadable result: {exc.message}"
-        return Outcome(FailureClass.INFRASTRUCTURE, message, None, {})
-    limits = read_limits(RunPaths(run_dir).trial(marker.trial))
+        return Outcome(FailureClass.INFRASTRUCTURE, message, None, {}, limits=tuple(limits))
     return trial_outcome(marker, outcome_of_result(result, limits))
 
 
@@ -110,7 +112,7 @@ def trial_outcome(marker: Marker, outcome: Outcome) -> Outcome:
         return outcome
     said = outcome.message or f"reward {outcome.reward}"
     message = f"job {marker.job} got {marker.terminated_by} during the trial ({said})"
-    return Outcome(FailureClass.INFRASTRUCTURE, message, outcome.reward, outcome.rewards)
+    return replace(outcome, failure=FailureClass.INFRASTRUCTURE, message=message, valid=False)
 
 
 def latest_markers(markers: list[Marker]) -> dict[Unit, Marker]:
@@ -166,7 +168,7 @@ def _status_of(
                 outcome.reward,
                 outcome.failure,
                 outcome.message,
-                read_limits(RunPaths(run_dir).trial(marker.trial)),
+                list(outcome.limits),
             )
     if fate is not None and fate.alive:
         return status(AttemptState.RUNNING if marker is not None else AttemptState.PENDING)
