@@ -45,6 +45,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,18 +136,8 @@ class UnpackedRoots:
                 return True
         if (self.folder / key).is_dir():
             return False
-        # The root's lock is held while it is made (a killed unpack's is free again).
-        try:
-            fd = os.open(self.folder / f".{key}.lock", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-        return False
+        with self._lock_free(key) as free:
+            return not free
 
     @staticmethod
     def _key(sif: Path) -> str:
@@ -295,20 +286,29 @@ class UnpackedRoots:
         """Remove what killed unpacks of other images left: `.KEY.partial` folders whose lock
         nobody holds (a partial being made keeps its lock held; so does this unpack's own)."""
         for partial in self.folder.glob(".*.partial"):
-            key = partial.name[1:].removesuffix(".partial")
-            try:
-                fd = os.open(self.folder / f".{key}.lock", os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                remove_private_dir(partial)
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # being made now
-            else:
-                remove_private_dir(partial)
-            finally:
-                os.close(fd)
+            with self._lock_free(partial.name[1:].removesuffix(".partial")) as free:
+                if free:  # else being made now
+                    remove_private_dir(partial)
+
+    @contextlib.contextmanager
+    def _lock_free(self, key: str) -> Iterator[bool]:
+        """Whether nobody holds the lock of root `key` (held while the root is made; a killed
+        unpack's is free again), held by this process for the block when it was free."""
+        try:
+            fd = os.open(self.folder / f".{key}.lock", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # no lock file: nothing is being made
+            yield True
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            os.close(fd)
 
     def _make_room(self, need: int, *, keep: str) -> bool:
         """Remove the least recently used roots no container uses until `need` more bytes fit

@@ -228,8 +228,9 @@ def _check_values(found: Any, environment: str, kwargs: dict[str, Any]) -> None:
     typed = {name: kwargs[name] for name in option_names(found) if name in kwargs}
     try:
         found.parse_options(typed)
-    except ValueError as exc:  # Harbor's lines: a heading, `  option: why` each, a pointer
-        # Harbor's `  option[.union branch]: why` lines, each branch's why under its option.
+    except ValueError as exc:
+        # Harbor's lines: a heading, `  option[.union branch]: why` each, a pointer; each
+        # branch's why said under its option.
         said = []
         for line in str(exc).splitlines():
             if line.startswith("  "):
