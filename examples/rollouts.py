@@ -80,7 +80,8 @@ async def main() -> int:
         print(f"error: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""), file=sys.stderr)
         return exc.exit_code
     for task, group in sorted(groups.items()):
-        used = all(line["trainable"] for line in group)
+        # The line of the group's last attempt to end carries the group's final verdict.
+        used = group[-1]["group_trainable"] is True
         print(f"group {task}: {len(group)} rollouts, {'used' if used else 'masked'}")
     return 0
 

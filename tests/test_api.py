@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,8 @@ def test_a_required_field_neither_given_nor_configured_names_its_option(
 
 
 def request(tmp_path: Path, **given: Any) -> RolloutRequest:
-    given.setdefault("agent", "oracle")
-    return RolloutRequest(tasks=tmp_path / "tasks", run_dir=tmp_path / "run", **given)
+    given = {"agent": "oracle", "tasks": tmp_path / "tasks", "run_dir": tmp_path / "run", **given}
+    return RolloutRequest(**given)
 
 
 def test_enum_arguments_take_their_string_values_or_are_refused(tmp_path: Path) -> None:
@@ -99,7 +100,7 @@ def test_enum_arguments_take_their_string_values_or_are_refused(tmp_path: Path) 
         InputError, match="executor 'ray-cluster' is not one of local, slurm, auto, ray"
     ):
         request(tmp_path, executor="ray-cluster")
-    with pytest.raises(InputError, match="deadline_s must be above 0"):
+    with pytest.raises(InputError, match="deadline_s must be a number of seconds above 0"):
         request(tmp_path, deadline_s=0)
     with pytest.raises(InputError, match=r"^format 'Full' is not one of"):
         harbor_hpc.api.rollout_lines(tmp_path / "run", [], fmt="Full")
@@ -114,6 +115,29 @@ def test_kwargs_take_paths_and_refuse_what_a_run_cannot_record(tmp_path: Path) -
         request(tmp_path, agent_kwargs={"client": object()})
 
 
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"attempts": "2"}, "attempts must be a whole number of at least 1, not '2'"),
+        ({"attempts": 0}, "attempts must be a whole number of at least 1, not 0"),
+        ({"concurrency": 2.5}, "concurrency must be a whole number of at least 1, not 2.5"),
+        ({"environment_kwargs": "fakeroot=false"}, "environment_kwargs must be a dict"),
+        ({"agent_kwargs": [("api_base", "x")]}, "agent_kwargs must be a dict"),
+        ({"agent_env": ["A", 1]}, "agent_env must be a list of strings"),
+        ({"model_check": "no"}, "model_check must be True or False, not 'no'"),
+        ({"deadline_s": "60"}, "deadline_s must be a number of seconds above 0, not '60'"),
+        ({"agent": None}, "agent must be a string, not None"),
+        ({"run_dir": 3}, "run_dir must be a path, not int 3"),
+    ],
+)
+def test_a_wrong_type_is_refused_in_python_words_when_the_request_is_made(
+    tmp_path: Path, given: dict[str, Any], said: str
+) -> None:
+    """Each was a raw TypeError or AttributeError deep in the batch."""
+    with pytest.raises(InputError, match=re.escape(said)):
+        request(tmp_path, **given)
+
+
 def test_errors_raised_to_python_name_fields_and_functions_not_flags() -> None:
     said = in_python_words(
         "pick another --run-dir, or `harbor-hpc resubmit` to continue; "
@@ -123,6 +147,9 @@ def test_errors_raised_to_python_name_fields_and_functions_not_flags() -> None:
         "pick another run_dir, or `harbor_hpc.api.resubmit_run(run_dir)` to continue; "
         "fix agent_kwargs api_base or model"
     )
+    # Another command's flag, in a hint to run it, keeps its dashes; a switch is its field.
+    assert in_python_words("run `harbor-hpc rewrite --sif`") == "run `harbor-hpc rewrite --sif`"
+    assert in_python_words("or --no-model-check") == "or model_check=False"
 
 
 def test_the_api_functions_speak_python(tmp_path: Path) -> None:
@@ -165,6 +192,22 @@ def test_a_wrong_model_is_raised_once_before_the_batch_in_python_words(
     assert raised.value.hint == "model openai/scripted"
     assert not (tmp_path / "run" / "run.json").exists()  # nothing recorded, nothing queued
     assert llm.exchanges == []
+
+
+def test_a_model_litellm_cannot_route_is_raised_before_the_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server serves the bare name, but litellm needs a provider: every trial's calls
+    failed in the agent, 55 s each, though the check of the server passed."""
+    monkeypatch.setenv("OPENAI_API_KEY", "scripted-test-key")
+    task_with_an_image(tmp_path)
+    with ScriptedLLM(["reply"]) as llm:
+        bare = request(
+            tmp_path, agent="terminus-2", model=llm.model, agent_kwargs={"api_base": llm.url}
+        )
+        with pytest.raises(InputError, match=f"model {llm.model}: litellm, the agent's model "):
+            run_rollouts(bare)
+    assert not (tmp_path / "run" / "run.json").exists() and llm.exchanges == []
 
 
 def test_a_task_without_its_image_is_raised_before_the_batch(tmp_path: Path) -> None:

@@ -447,12 +447,16 @@ def _follow(run_dir: Path) -> None:
     reward: 0)."""
     from harbor_hpc.steps.runs import follow
 
-    if console.is_terminal:
-        with Live(console=console, refresh_per_second=2, transient=True) as live:
-            for now in follow(run_dir):
-                live.update(_progress_view(now.summary))
-    else:  # a log: Live would leave its last frame there, beside the line below
-        *_, now = follow(run_dir)
+    try:
+        if console.is_terminal:
+            with Live(console=console, refresh_per_second=2, transient=True) as live:
+                for now in follow(run_dir):
+                    live.update(_progress_view(now.summary))
+        else:  # a log: Live would leave its last frame there, beside the line below
+            *_, now = follow(run_dir)
+    except KeyboardInterrupt:  # Ctrl-C: local jobs ignore it, as Slurm's never see it
+        info(f"interrupted: the waiting stopped, the run goes on (harbor-hpc status {run_dir})")
+        raise SystemExit(130) from None
     info(_summary_line(now.summary))
     failed: dict[str, list[str]] = {}
     for s in now.attempts:

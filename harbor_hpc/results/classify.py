@@ -26,9 +26,11 @@ environment's names given to it (`harbor_hpc.apptainer.errors.error_policy_overr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harbor_hpc.apptainer.errors import (
@@ -41,7 +43,8 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.limits import RENAME_REFUSED
+from harbor_hpc.apptainer.limits import RENAME_REFUSED, read_limits
+from harbor_hpc.results.calls import ModelCalls, read_calls
 
 if TYPE_CHECKING:
     from harbor.models.trial.error_policy import ErrorPolicy
@@ -197,6 +200,15 @@ class Outcome:
     def state(self) -> AttemptState:
         return AttemptState.FAILED if self.failure else AttemptState.DONE
 
+    @property
+    def trainable(self) -> bool:
+        """Whether the policy alone made this outcome, so that a trainer may learn from its
+        reward: Harbor's error policy calls the reward valid (the trial ended, or the agent
+        failed it: its own error, its time or its context ran out), the evidence found nothing
+        else to blame (`outcome_of_result`), and the agent ran (a failure Harbor does not know,
+        raised before the agent started, is the environment's, whatever Harbor's default)."""
+        return self.valid and self.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
+
 
 def primary_reward(rewards: dict[str, float]) -> float | None:
     """The one number to average: `reward` when present, a lone value, else the mean."""
@@ -208,18 +220,79 @@ def primary_reward(rewards: dict[str, float]) -> float | None:
     return float(values[0]) if len(values) == 1 else sum(values) / len(values)
 
 
-def outcome_of_result(result: dict[str, Any], limits: Sequence[str] = ()) -> Outcome:
+def outcome_of_result(
+    result: dict[str, Any], limits: Sequence[str] = (), calls: ModelCalls | None = None
+) -> Outcome:
     """Classify a parsed result.json (Harbor's TrialResult as JSON), given what the trial's
-    folder says of its container's limits (apptainer/limits.py): where a command's directory
-    rename was refused by its unpacked root, a reward below 1 is the environment's, no
-    reward to learn from."""
+    folder says of its container's limits (apptainer/limits.py) and of its model calls
+    (results/calls.py): the validity rule of docs/results.md. An outcome Harbor leaves to the
+    policy (the trial ended, the agent failed it, or its time ran out) is the policy's only
+    where the evidence says so; else it names what failed:
+
+    - the agent's time ran out while a model call waited on the server, or no call was ever
+      answered: the model server's (`model`);
+    - an answer lacked the token ids or log-probs its call asked for: the model server's;
+    - the agent could not start in the image (a tool it runs, `tmux: command not found`):
+      the image's (`image`);
+    - a directory rename its unpacked root refused, with a reward below 1: `unsupported`;
+    - no reward at all: none to learn from (its failure stands).
+    """
     outcome = replace(_outcome_of_result(result), limits=tuple(limits))
-    learnable = outcome.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
-    if RENAME_REFUSED in limits and learnable and not (outcome.reward or 0) >= 1:
-        return replace(
-            outcome, failure=FailureClass.UNSUPPORTED, message=RENAME_REFUSED, valid=False
-        )
+    if outcome.failure not in (None, FailureClass.AGENT, FailureClass.TIMEOUT):
+        return outcome
+    why = _not_the_policys(outcome, limits, calls)
+    if why is not None:
+        failure, message = why
+        return replace(outcome, failure=failure, message=message, valid=False)
+    if outcome.reward is None:
+        return replace(outcome, valid=False)
     return outcome
+
+
+def outcome_of_trial(trial_dir: Path, result: dict[str, Any]) -> Outcome:
+    """`outcome_of_result` with what `trial_dir` says of the trial's limits and model calls."""
+    return outcome_of_result(result, read_limits(trial_dir), read_calls(trial_dir))
+
+
+# What a shell says of a program the image lacks (bash: `tmux: command not found`, dash:
+# `tmux: not found`), in the words an agent that could not start passes on.
+_NOT_FOUND = re.compile(r"([A-Za-z0-9_.+-]+): (?:command )?not found")
+
+
+def _not_the_policys(
+    outcome: Outcome, limits: Sequence[str], calls: ModelCalls | None
+) -> tuple[FailureClass, str] | None:
+    """What made `outcome` other than the policy, by the rule above; None when it was the
+    policy's."""
+    timed_out = outcome.failure is FailureClass.TIMEOUT
+    answered = len(calls.answered) if calls is not None else None
+    if calls is not None and timed_out and (cut := calls.cut_off) is not None:
+        return FailureClass.MODEL, (
+            f"the agent's time ran out while it waited {cut.seconds:.0f} s on the model server "
+            f"for an answer (call {calls.calls.index(cut) + 1}; {answered} answered before): "
+            "the server hung or was too slow, not the policy"
+        )
+    if calls is not None and not answered and (timed_out or calls.calls):
+        last = f"; the last said {calls.last_error}" if calls.last_error else ""
+        return FailureClass.MODEL, (
+            f"the model server answered none of the agent's {len(calls.calls)} call(s){last}"
+        )
+    if calls is not None and (lacking := calls.without_tokens):
+        return FailureClass.MODEL, (
+            f"the model server sent no token ids or log-probs in {len(lacking)} of its "
+            f"{answered} answers, though each call asked for them (a server restarted without "
+            "them?): no tokens to train on"
+        )
+    if outcome.failure is FailureClass.AGENT and not answered:
+        missing = _NOT_FOUND.search(outcome.message or "")
+        if missing:
+            return FailureClass.IMAGE, (
+                f"the agent could not start in the image: {missing.group(1)} is not in it "
+                f"({outcome.message}); add it to the image's Dockerfile and build again"
+            )
+    if RENAME_REFUSED in limits and not (outcome.reward or 0) >= 1:
+        return FailureClass.UNSUPPORTED, RENAME_REFUSED
+    return None
 
 
 def _outcome_of_result(result: dict[str, Any]) -> Outcome:

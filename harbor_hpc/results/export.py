@@ -1,6 +1,6 @@
 """A run's rollouts as JSON lines, in our full schema or in the shape a trainer reads.
 
-`full` (schema `harbor-hpc/rollout/v3`, built in `results/rollout.py`): one line per trial that
+`full` (schema `harbor-hpc/rollout/v4`, built in `results/rollout.py`): one line per trial that
 ended, reruns included, plus one per attempt that failed without a result (an image missing, a
 job that died); `counts` marks the one line per attempt that `status` reports (a rerun after a
 cancelled job or `resubmit --failed` supersedes the trials before it).
@@ -41,10 +41,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError, InputError, choice, from_os_error
 from harbor_hpc.core.files import atomic_write_text, read_json
-from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_result
+from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_trial
 from harbor_hpc.results.record import RunPaths, RunRecord, load_run, read_markers, run_umask
 from harbor_hpc.results.rollout import Rollout, Sequence, rollout
 from harbor_hpc.results.status import AttemptStatus, trial_outcome
@@ -66,12 +65,34 @@ class LeftOut(StrEnum):
     NO_TOKENS = "no_tokens"  # no turn, or a turn without token ids or log-probs
 
 
+def group_verdicts(record: RunRecord, statuses: list[AttemptStatus]) -> dict[str, bool | None]:
+    """Per task of `statuses`, whether its group (its attempts) may be trained on whole: True
+    when every attempt has ended trainable, False once one has ended otherwise, None while
+    some have not ended (or are not among `statuses`) and none has failed the group yet."""
+    by_task: dict[str, list[AttemptStatus]] = {}
+    for status in statuses:
+        by_task.setdefault(status.task, []).append(status)
+    verdicts: dict[str, bool | None] = {}
+    for task, group in by_task.items():
+        ended = [s for s in group if s.state in (AttemptState.DONE, AttemptState.FAILED)]
+        if any(not s.trainable for s in ended):
+            verdicts[task] = False
+        else:
+            verdicts[task] = True if len(ended) == record.attempts else None
+    return verdicts
+
+
 def collect_rollouts(
-    run_dir: Path, record: RunRecord, statuses: list[AttemptStatus]
+    run_dir: Path,
+    record: RunRecord,
+    statuses: list[AttemptStatus],
+    groups: list[AttemptStatus] | None = None,
 ) -> list[Rollout]:
     """Every trial of the attempts in `statuses` that left a result.json, oldest first, then
-    every attempt `statuses` reports failed without one."""
+    every attempt `statuses` reports failed without one; each line's group judged on `groups`
+    (the run's statuses; default `statuses`)."""
     paths = RunPaths(run_dir)
+    verdicts = group_verdicts(record, statuses if groups is None else groups)
     counted = {s.trial for s in statuses if s.trial is not None}
     attempts = {(s.task, s.attempt) for s in statuses}
     rollouts: list[Rollout] = []
@@ -86,7 +107,7 @@ def collect_rollouts(
             result = read_json(trial_dir / "result.json")
         except HarborHpcError:
             continue  # its attempt's status says so, and gets a line below when it counts
-        outcome = trial_outcome(marker, outcome_of_result(result, read_limits(trial_dir)))
+        outcome = trial_outcome(marker, outcome_of_trial(trial_dir, result))
         rollouts.append(
             rollout(
                 record,
@@ -96,6 +117,7 @@ def collect_rollouts(
                 result=result,
                 outcome=outcome,
                 counts=marker.trial in counted,
+                group_trainable=verdicts.get(marker.task),
             )
         )
         seen.add(marker.trial)
@@ -113,6 +135,7 @@ def collect_rollouts(
                     result={},
                     outcome=outcome,
                     counts=True,
+                    group_trainable=verdicts.get(status.task),
                 )
             )
     return rollouts
@@ -207,11 +230,14 @@ def _input_messages(sequence: Sequence) -> list[dict[str, Any]]:
 def _trainer_lines(r: Rollout, fmt: ExportFormat) -> list[dict[str, Any]]:
     line, found = r.line, r.sequences or []
     ids = {"task": line["task"], "attempt": line["attempt"], "trial": line["trial"]}
-    reward = 0.0 if line["reward"] is None else line["reward"]
+    reward = line["reward"]  # a trainable line always has one
     lines = []
     for number, sequence in enumerate(found):
         where = {
             **ids,
+            "group": line["group"],
+            "group_size": line["group_size"],
+            "group_trainable": line["group_trainable"],
             "sequence": number,
             "sequences": len(found),
             "partial": line["partial"],
@@ -288,15 +314,21 @@ class Export:
 
 
 def rollout_lines(
-    run_dir: Path, statuses: list[AttemptStatus], *, fmt: ExportFormat | str = ExportFormat.FULL
+    run_dir: Path,
+    statuses: list[AttemptStatus],
+    *,
+    fmt: ExportFormat | str = ExportFormat.FULL,
+    groups: list[AttemptStatus] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """The rollouts of the attempts in `statuses` (all the run's: what `export` writes) in
     `fmt`, the lines they count marked, and how many rollouts a trainer format left out, by
-    reason. `fmt` is an ExportFormat or its value; anything else is refused."""
+    reason; groups are judged on `groups` (the whole run's statuses, where `statuses` are
+    some of them; default `statuses`). `fmt` is an ExportFormat or its value; anything else is
+    refused."""
     fmt = choice(ExportFormat, fmt, "format")
     run_dir = run_dir.resolve()
     record = load_run(run_dir)
-    rollouts = collect_rollouts(run_dir, record, statuses)
+    rollouts = collect_rollouts(run_dir, record, statuses, groups)
     _check_tokens(run_dir, record, rollouts, fmt)
     if fmt is ExportFormat.FULL:
         return [r.line for r in rollouts], {}

@@ -1,4 +1,4 @@
-"""One trial as a rollout record (schema `harbor-hpc/rollout/v3`, `schemas/rollout.schema.json`).
+"""One trial as a rollout record (schema `harbor-hpc/rollout/v4`, `schemas/rollout.schema.json`).
 
 Harbor keeps the tokens of an agent's conversation in `agent_result.rollout_details`
 (`harbor.models.agent.rollout_detail.RolloutDetail`): per model call (a turn) the whole prompt's
@@ -35,13 +35,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
-from harbor_hpc.results.classify import FailureClass, Outcome, outcome_of_result
+from harbor_hpc.results.classify import Outcome, outcome_of_result, outcome_of_trial
 from harbor_hpc.results.record import RunRecord
 
-SCHEMA = "harbor-hpc/rollout/v3"
+SCHEMA = "harbor-hpc/rollout/v4"
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.schema.json"
 # Where Harbor's agents write an ATIF trajectory, relative to the trial (or step) folder.
 TRAJECTORY = Path("agent") / "trajectory.json"
@@ -338,14 +337,6 @@ def _token_totals(
     return n_input, n_cache, n_output, cost
 
 
-def trainable(outcome: Outcome) -> bool:
-    """Whether the trial says something about the policy: its reward is valid by Harbor's error
-    policy (it ended, or the agent failed it: its own error, its time or its context ran out),
-    and the agent ran (a failure Harbor does not know, raised before the agent started, is the
-    environment's, whatever Harbor's default for unknown names)."""
-    return outcome.valid and outcome.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
-
-
 @dataclass
 class Rollout:
     """A rollout record and what export checks and the trainer formats need from it."""
@@ -386,9 +377,12 @@ def rollout(
     result: dict[str, Any],
     outcome: Outcome,
     counts: bool,
+    group_trainable: bool | None,
 ) -> Rollout:
     """The record of one trial of a run (`result` its parsed result.json), or of an attempt
-    that ended without one (`result` empty; `trial_dir` None when it never got a trial)."""
+    that ended without one (`result` empty; `trial_dir` None when it never got a trial);
+    `group_trainable` whether every attempt of its task has ended trainable (None: not all have
+    ended)."""
     task_dir = record.task_path(task)
     agent_info = result.get("agent_info") or {}
     model_info = agent_info.get("model_info") or {}
@@ -411,7 +405,10 @@ def rollout(
         "trial": trial_dir.name if trial_dir is not None else None,
         "trial_dir": str(trial_dir) if trial_dir is not None else None,
         "counts": counts,
-        "trainable": trainable(outcome),
+        "trainable": outcome.trainable,
+        "group": task,
+        "group_size": record.attempts,
+        "group_trainable": group_trainable,
         "partial": timed_out,
         "reward": outcome.reward,
         "rewards": outcome.rewards,
@@ -463,6 +460,7 @@ def trial_rollout(trial_dir: Path, task_dir: Path, *, attempt: int = 0) -> dict[
         attempt=attempt,
         trial_dir=trial_dir,
         result=result,
-        outcome=outcome_of_result(result, read_limits(trial_dir)),
+        outcome=(outcome := outcome_of_trial(trial_dir, result)),
         counts=True,
+        group_trainable=outcome.trainable,
     ).line

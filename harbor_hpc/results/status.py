@@ -33,7 +33,7 @@ from harbor_hpc.results.classify import (
     FailureClass,
     Outcome,
     failure_class,
-    outcome_of_result,
+    outcome_of_trial,
     short_message,
 )
 from harbor_hpc.results.record import (
@@ -59,6 +59,9 @@ class AttemptStatus:
     message: str | None
     # Where the trial's container was weaker than Docker's (apptainer/limits.py).
     limits: list[str] = field(default_factory=list)
+    # Whether the policy alone made its outcome (classify.Outcome.trainable): a reward to learn
+    # from. False while it has not ended.
+    trainable: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,8 +88,8 @@ def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
     """The trial's outcome when it has ended (result.json, or a failure before Harbor began)."""
     trial_dir = RunPaths(run_dir).trial(marker.trial)
     result_path = trial_dir / "result.json"
-    limits = read_limits(trial_dir)
     if not result_path.is_file():
+        limits = read_limits(trial_dir)
         if marker.error_type:
             message = short_message(marker.error_type, marker.error_message or "")
             failure = failure_class(marker.error_type, agent_started=False)
@@ -97,8 +100,9 @@ def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
         result = read_json(result_path)
     except HarborHpcError as exc:
         message = f"unreadable result: {exc.message}"
+        limits = read_limits(trial_dir)
         return Outcome(FailureClass.INFRASTRUCTURE, message, None, {}, limits=tuple(limits))
-    return trial_outcome(marker, outcome_of_result(result, limits))
+    return trial_outcome(marker, outcome_of_trial(trial_dir, result))
 
 
 def trial_outcome(marker: Marker, outcome: Outcome) -> Outcome:
@@ -169,6 +173,7 @@ def _status_of(
                 outcome.failure,
                 outcome.message,
                 list(outcome.limits),
+                outcome.trainable,
             )
     if fate is not None and fate.alive:
         return status(AttemptState.RUNNING if marker is not None else AttemptState.PENDING)

@@ -500,6 +500,11 @@ def _bounded_slurm_executor() -> type[submitit.SlurmExecutor]:
     return BoundedSlurmExecutor
 
 
+# A shell line before submitit's local controller: SIGINT ignored, which the controller and the
+# workers it starts inherit (Python then installs no KeyboardInterrupt handler).
+LOCAL_JOBS_IGNORE_CTRL_C = "trap '' INT"
+
+
 def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Executor:
     """The submitit executor for `request`: Slurm array jobs, or local processes (which take
     only the time limit: there is no scheduler to ask for memory or CPUs)."""
@@ -508,7 +513,13 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
     if where is Executor.LOCAL:
         local = submitit.LocalExecutor(folder=folder, max_num_timeout=MAX_REQUEUES)
         local.update_parameters(
-            timeout_min=request.time_min, signal_delay_s=requeue_warning_s(request.time_min)
+            timeout_min=request.time_min,
+            signal_delay_s=requeue_warning_s(request.time_min),
+            # Ctrl-C in the terminal that queued them is not for the local jobs (it printed
+            # their controllers' tracebacks there and broke their trials): a job ends when its
+            # run is cancelled (as leaving a trainer's batch early does) or by SIGTERM, as a
+            # Slurm job would.
+            setup=[LOCAL_JOBS_IGNORE_CTRL_C],
         )
         return local
     slurm = _bounded_slurm_executor()(folder=folder, max_num_timeout=MAX_REQUEUES)

@@ -30,6 +30,7 @@ from typing import Any
 import submitit
 
 from harbor_hpc.apptainer.errors import error_policy_overrides
+from harbor_hpc.results.calls import recording_calls
 from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.record import (
     CANCELLED,
@@ -184,7 +185,9 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             trial = await Trial.create(config)
             # Harbor has just made the trial's folders world-writable, for Docker's sake.
             seal(paths.trial(marker.trial), record.group_readable)
-            await trial.run()
+            # What the agent's model calls came to: the evidence of whose outcome it was.
+            with recording_calls(paths.trial(marker.trial)):
+                await trial.run()
             # A signal (scancel, shutdown) may have broken the trial's end whatever it recorded;
             # a cancel of the run that let the trial end by itself broke nothing: it counts.
             if self.terminated_by not in (None, CANCELLED):

@@ -119,29 +119,67 @@ class RolloutRequest:
     model_check: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("tasks", "run_dir"):
+            if not isinstance(getattr(self, name), str | os.PathLike):
+                raise InputError(
+                    f"{name} must be a path, not {type(getattr(self, name)).__name__} "
+                    f"{getattr(self, name)!r}"
+                )
         self.tasks = Path(self.tasks)
         self.run_dir = Path(self.run_dir)
+        for name in ("agent", "model"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "model" and value is None):
+                raise InputError(f"{name} must be a string, not {value!r}")
         self.format = choice(ExportFormat, self.format, "format")
         self.executor = choice(Backend, self.executor, "executor")
+        for name in ("agent_kwargs", "environment_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                value = getattr(self, name)
+                raise InputError(
+                    f"{name} must be a dict of names to values, not {type(value).__name__} "
+                    f"{value!r}",
+                    hint=f'{name}={{"name": value}}',
+                )
         self.agent_kwargs = recordable(self.agent_kwargs, "agent_kwargs")
         self.environment_kwargs = recordable(self.environment_kwargs, "environment_kwargs")
-        if self.deadline_s is not None and self.deadline_s <= 0:
-            raise InputError(f"deadline_s must be above 0, not {self.deadline_s}")
+        if self.deadline_s is not None and (
+            isinstance(self.deadline_s, bool)
+            or not isinstance(self.deadline_s, int | float)
+            or self.deadline_s <= 0
+        ):
+            raise InputError(
+                f"deadline_s must be a number of seconds above 0, not {self.deadline_s!r}"
+            )
+        if not isinstance(self.model_check, bool):
+            raise InputError(f"model_check must be True or False, not {self.model_check!r}")
         for name in ("agent_env", "setup", "sbatch_args"):
-            if isinstance(getattr(self, name), str):  # each character would be one item
-                raise InputError(
-                    f"{name} must be a list of strings, not the string {getattr(self, name)!r}",
-                    hint=f"{name}=[{getattr(self, name)!r}]",
-                )
-        for name in ("mem_mb", "cpus"):
             value = getattr(self, name)
+            if isinstance(value, str):  # each character would be one item
+                raise InputError(
+                    f"{name} must be a list of strings, not the string {value!r}",
+                    hint=f"{name}=[{value!r}]",
+                )
             if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
+                not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value)
+            ):
+                raise InputError(f"{name} must be a list of strings, not {value!r}")
+        for name, least in WHOLE_NUMBERS.items():
+            value = getattr(self, name)
+            if (value is not None or name == "attempts") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < least
             ):
                 raise InputError(
-                    f"{name} must be a whole number of at least 1, not {value!r}",
-                    hint="or None, to have each element sized from its trials",
+                    f"{name} must be a whole number of at least {least}, not {value!r}",
+                    hint="or None, to have each element sized from its trials"
+                    if name in ("mem_mb", "cpus")
+                    else None,
                 )
+
+
+# The request's whole-number fields and the least each takes (None: from harbor-hpc.toml, or
+# sized from the trials; `attempts` takes no None).
+WHOLE_NUMBERS = {"attempts": 1, "concurrency": 1, "time_min": 1, "mem_mb": 1, "cpus": 1}
 
 
 def recordable(kwargs: dict[str, Any], name: str) -> dict[str, Any]:
@@ -193,7 +231,8 @@ def run_rollouts(
     """Run the request's trials to the end (or its deadline) and return the rollout lines of
     the attempts that count, in `request.format`; `progress` is called whenever the counts
     change. Raises `HarborHpcError` (`InputError` for a wrong setting) before the batch."""
-    return [line for batch in follow_rollouts(request, progress=progress) for line in batch]
+    batches = follow_rollouts(request, progress=progress, streaming=False)
+    return [line for batch in batches for line in batch]
 
 
 async def stream_rollouts(
@@ -232,10 +271,11 @@ async def stream_rollouts(
 
 
 def follow_rollouts(
-    request: RolloutRequest, *, progress: ProgressCallback | None = None
+    request: RolloutRequest, *, progress: ProgressCallback | None = None, streaming: bool = True
 ) -> Generator[list[dict[str, Any]]]:
     """Submit the batch, then at every look at the run the lines of the attempts that ended
-    since the last (often none). Closing the generator before the end cancels the rest."""
+    since the last (often none); without `streaming`, every line once, at the end, when each
+    group's verdict is final. Closing the generator before the end cancels the rest."""
     backend = Backend(request.executor)  # made one in __post_init__
     with python_words():
         options = configured_options(
@@ -277,8 +317,9 @@ def follow_rollouts(
                 progress(now)
             seen = now
             finished = status.summary.finished
-            yield _new_lines(run_dir, status, reported, request.format)
-            if deadline is not None and time.monotonic() > deadline:
+            if streaming or finished:
+                yield _new_lines(run_dir, status, reported, request.format)
+            if deadline is not None and time.monotonic() > deadline and not finished:
                 cancel_run(run_dir)
                 cancelled = True
                 break
@@ -302,7 +343,7 @@ def _new_lines(
         and (s.task, s.attempt) not in reported
     ]
     reported.update((s.task, s.attempt) for s in ended)
-    lines = rollout_lines(run_dir, ended, fmt=fmt)[0] if ended else []
+    lines = rollout_lines(run_dir, ended, fmt=fmt, groups=status.attempts)[0] if ended else []
     return [line for line in lines if line.get("counts", True)]
 
 
@@ -334,12 +375,16 @@ _FLAG = re.compile(r"--([a-z][a-z-]*)")
 
 
 def _field(match: re.Match[str]) -> str:
+    """The request's field a flag sets; a flag of another command (`rewrite --sif`, in a hint
+    to run it) as it is."""
     names = {f.name for f in fields(RolloutRequest)}
     name = match.group(1).replace("-", "_")
+    if name.startswith("no_") and name[3:] in names:  # --no-model-check
+        return f"{name[3:]}=False"
     for candidate in (name, f"{name}s"):  # --agent-kwarg: agent_kwargs
         if candidate in names:
             return candidate
-    return name
+    return match.group(0)
 
 
 def in_python_words(text: str) -> str:

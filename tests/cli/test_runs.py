@@ -105,7 +105,9 @@ def test_status_reads_at_80_columns(tmp_path: Path) -> None:
         "failure": "environment",
         "message": "E: " + " ".join(message.split()),
         "limits": [],
+        "trainable": False,
     }
+    assert third["trainable"] is True
     assert second["message"] == "never submitted"
 
 

@@ -36,7 +36,6 @@ from harbor_hpc.results.classify import (
     outcome_of_result,
     primary_reward,
 )
-from harbor_hpc.results.rollout import trainable
 
 
 def harbor_result(
@@ -153,7 +152,7 @@ def test_every_name_in_harbors_error_policy_is_trainable_only_with_a_valid_rewar
     outcome = outcome_of_result(result)
     assert outcome.state == "failed"
     assert outcome.valid is policy.has_valid_reward
-    assert trainable(outcome) is policy.has_valid_reward
+    assert outcome.trainable is policy.has_valid_reward
     # A class that names what to fix: the agent's only where the reward stands, and a reward
     # that stands only for the agent's failures (its own, or its time running out).
     if outcome.failure is FailureClass.AGENT:
@@ -165,7 +164,7 @@ def test_every_name_in_harbors_error_policy_is_trainable_only_with_a_valid_rewar
 def test_model_server_failures_are_named_and_never_trainable(tmp_path: Path) -> None:
     for name in ("NotFoundError", "APIConnectionError", "AuthenticationError", "RateLimitError"):
         outcome = outcome_of_result(harbor_result(tmp_path, exception=named(name)))
-        assert (outcome.failure, trainable(outcome)) == ("model", False), name
+        assert (outcome.failure, outcome.trainable) == ("model", False), name
 
 
 @pytest.mark.parametrize("overrides", [True, False], ids=["our-runs", "harbor-run"])
@@ -179,7 +178,7 @@ def test_our_failures_take_the_policy_of_harbors_equivalent(
     if overrides:  # what Harbor itself decides (retries, grading) for trials we start
         assert ErrorPolicy(**info["policy"]) == expected
     assert outcome_of_result(result).valid is expected.has_valid_reward
-    assert not trainable(outcome_of_result(result))
+    assert not outcome_of_result(result).trainable
 
 
 def test_the_memory_watchdogs_failure_has_harbors_own_name(tmp_path: Path) -> None:
@@ -194,6 +193,15 @@ def test_the_memory_watchdogs_failure_has_harbors_own_name(tmp_path: Path) -> No
 
 def test_an_unknown_failure_before_the_agent_started_is_not_trainable(tmp_path: Path) -> None:
     result = harbor_result(tmp_path, exception=RuntimeError("docker"), agent_started=False)
-    assert not trainable(outcome_of_result(result))
+    assert not outcome_of_result(result).trainable
     agents_own = harbor_result(tmp_path, rewards={"reward": 0}, exception=RuntimeError("crash"))
-    assert trainable(outcome_of_result(agents_own))
+    assert outcome_of_result(agents_own).trainable
+
+
+def test_an_agent_that_cannot_start_in_the_image_is_the_images(tmp_path: Path) -> None:
+    """terminus-2's words in an image without tmux (recorded from a real trial): the image's
+    failure, never a trainable line without a reward."""
+    said = "Failed to start tmux session. Error: bash: line 2: tmux: command not found"
+    outcome = outcome_of_result(harbor_result(tmp_path, exception=RuntimeError(said)))
+    assert (outcome.failure, outcome.trainable) == ("image", False)
+    assert outcome.message is not None and "tmux is not in it" in outcome.message

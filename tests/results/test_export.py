@@ -22,7 +22,8 @@ from harbor_hpc.apptainer.errors import (
     MemoryLimitExceededError,
 )
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.results.export import ExportFormat, export_run
+from harbor_hpc.results.classify import AttemptState
+from harbor_hpc.results.export import ExportFormat, export_run, rollout_lines
 from harbor_hpc.results.record import (
     Marker,
     RunPaths,
@@ -107,6 +108,7 @@ class Run:
         *,
         agent_kwargs: dict[str, Any] | None = None,
         image_problems: dict[str, str] | None = None,
+        attempts: int = 1,
     ) -> None:
         self.tasks = root / "tasks"
         for task in tasks:
@@ -114,7 +116,16 @@ class Run:
             (self.tasks / task / "instruction.md").write_text(f"<!-- canary -->\nDo {task}.\n")
         self.dir = root / "run"
         kwargs = {"collect_rollout_details": True} if agent_kwargs is None else agent_kwargs
-        record = RunRecord(str(self.tasks), tasks, "terminus-2", "openai/m", kwargs, "x:Y", {}, {})
+        record = RunRecord(
+            str(self.tasks),
+            tasks,
+            "terminus-2",
+            "openai/m",
+            kwargs,
+            "x:Y",
+            {},
+            {"attempts": attempts},
+        )
         record.image_problems = image_problems or {}
         create_run(self.dir, record)
         self.root = root
@@ -127,10 +138,11 @@ class Run:
         turns: Turns | None = None,
         *,
         ids: bool = True,
+        attempt: int = 0,
     ) -> None:
         """A trial of `task` that ended with `result`, its agent's trajectory from `turns`."""
         host = socket.gethostname()
-        write_marker(self.dir, Marker(name, task, 0, 1, "1_0", host, 1, f"2026-{name}"))
+        write_marker(self.dir, Marker(name, task, attempt, 1, "1_0", host, 1, f"2026-{name}"))
         folder = RunPaths(self.dir).trial(name)
         (folder / "agent").mkdir(parents=True)
         (folder / "result.json").write_text(json.dumps(result))
@@ -166,7 +178,7 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
     run = Run(tmp_path, ["a"])
     run.trial("t1", "a", solved(tmp_path, EXTENDING), EXTENDING)
     (line,) = run.export()
-    assert line["schema"] == "harbor-hpc/rollout/v3"
+    assert line["schema"] == "harbor-hpc/rollout/v4"
     assert (line["task"], line["attempt"], line["trial"], line["counts"]) == ("a", 0, "t1", True)
     assert line["trial_dir"] == str((RunPaths(run.dir).trial("t1")).resolve())
     assert (line["trainable"], line["partial"], line["reward"]) == (True, False, 1.0)
@@ -195,9 +207,11 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
 
     (rl,) = run.export(ExportFormat.HARBOR_RL)
     assert list(rl) == [
-        *("task", "attempt", "trial", "sequence", "sequences", "partial", "environment_limits"),
-        *("reward", "token_ids", "mask_ids", "logprobs"),
+        *("task", "attempt", "trial", "group", "group_size", "group_trainable", "sequence"),
+        *("sequences", "partial", "environment_limits", "reward", "token_ids", "mask_ids"),
+        "logprobs",
     ]
+    assert (rl["group"], rl["group_size"], rl["group_trainable"]) == ("a", 1, True)
     assert rl["environment_limits"] == []
     skyrl = skyrl_generator_output([rl])
     assert skyrl["prompt_token_ids"] == [P0]
@@ -286,7 +300,8 @@ def test_a_multi_step_task_keeps_each_steps_instruction_reward_and_turns(tmp_pat
 
 def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
     missing = {"noimage": "noimage/task.toml: docker_image /x.sif does not exist"}
-    run = Run(tmp_path, ["env", "slow", "hog", "crash", "lost", "noimage"], image_problems=missing)
+    tasks = ["env", "slow", "hog", "crash", "unscored", "lost", "noimage"]
+    run = Run(tmp_path, tasks, image_problems=missing)
     context = AgentContext(rollout_details=[detail(EXTENDING[:1])])
     timeout = AgentTimeoutError("Agent execution timed out")
     failed = {
@@ -295,7 +310,11 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
             tmp_path, rewards={"reward": 0}, agent_result=context, exception=timeout
         ),
         "hog": harbor_result(tmp_path, exception=MemoryLimitExceededError("limit 256 MB")),
-        "crash": harbor_result(tmp_path, agent_result=context, exception=RuntimeError("boom")),
+        "crash": harbor_result(
+            tmp_path, rewards={"reward": 0}, agent_result=context, exception=RuntimeError("boom")
+        ),
+        # The agent failed and nothing gave a reward: no reward to learn from.
+        "unscored": harbor_result(tmp_path, agent_result=context, exception=RuntimeError("boom")),
         # The Ray node of the container went away mid-trial: its turns say nothing of the policy.
         "lost": harbor_result(
             tmp_path,
@@ -303,7 +322,7 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
             exception=EnvironmentHostUnavailable("task lost: its Ray node 10.0.0.7 was lost"),
         ),
     }
-    with_turns = ("slow", "crash", "lost")
+    with_turns = ("slow", "crash", "unscored", "lost")
     for task, result in failed.items():
         run.trial(f"t-{task}", task, result, EXTENDING[:1] if task in with_turns else None)
     lines = {line["task"]: line for line in run.export()}
@@ -313,6 +332,7 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
         "slow": ("timeout", True, True),  # its turns so far, and its reward, are kept
         "hog": ("memory", False, False),
         "crash": ("agent", True, False),
+        "unscored": ("agent", False, False),
         "lost": ("infrastructure", False, False),
         "noimage": ("image", False, False),
     }
@@ -321,10 +341,10 @@ def test_only_the_agents_failures_are_trainable(tmp_path: Path) -> None:
 
     rl = {line["task"]: line for line in run.export(ExportFormat.HARBOR_RL)}
     assert set(rl) == {"slow", "crash"}
-    assert rl["slow"]["partial"] and rl["crash"]["reward"] == 0.0  # no verifier ran: scored 0
+    assert rl["slow"]["partial"] and rl["crash"]["reward"] == 0.0  # as its verifier scored it
     statuses = attempt_statuses(run.dir, load_run(run.dir), set())
     written = export_run(run.dir, tmp_path / "x.jsonl", statuses, fmt=ExportFormat.NEMO_GYM)
-    assert written.left_out == {"not_trainable": 4}
+    assert written.left_out == {"not_trainable": 5}
 
 
 def test_a_run_that_asked_for_tokens_and_got_none_writes_nothing(tmp_path: Path) -> None:
@@ -413,3 +433,32 @@ def test_the_export_is_as_private_as_the_run(
     out.chmod(0o644)
     export_run(run_dir, out, [])
     assert stat.S_IMODE(out.stat().st_mode) == mode
+
+
+def test_every_line_says_whether_its_group_is_whole_and_trainable(tmp_path: Path) -> None:
+    """A GRPO group (the attempts of a task) is masked whole when one member is not trainable,
+    which the trainer formats leave out: the members they keep say so themselves."""
+    run = Run(tmp_path, ["whole", "broken", "waiting"], attempts=2)
+    context = AgentContext(rollout_details=[detail(EXTENDING)])
+    solved = harbor_result(tmp_path, rewards={"reward": 1}, agent_result=context)
+    hog = harbor_result(tmp_path, exception=MemoryLimitExceededError("limit 256 MB"))
+    for task, attempt, result in (
+        ("whole", 0, solved),
+        ("whole", 1, solved),
+        ("broken", 0, solved),
+        ("broken", 1, hog),
+        ("waiting", 0, solved),
+    ):
+        run.trial(f"{task}-{attempt}", task, result, EXTENDING, attempt=attempt)
+    statuses = attempt_statuses(run.dir, load_run(run.dir), set())
+    (never,) = [s for s in statuses if s.trial is None]
+    never.state = AttemptState.PENDING  # its job still queued
+    lines, _ = rollout_lines(run.dir, statuses, fmt=ExportFormat.HARBOR_RL)
+    verdicts = {(line["group"], line["attempt"]): line["group_trainable"] for line in lines}
+    assert verdicts == {
+        ("whole", 0): True,
+        ("whole", 1): True,
+        ("broken", 0): False,  # its other member ran out of memory: left out, and said here
+        ("waiting", 0): None,  # its other member has not ended
+    }
+    assert all(line["group_size"] == 2 for line in lines)

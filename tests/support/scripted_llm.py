@@ -15,6 +15,12 @@ servers other than vLLM do.
 harbor-hpc's check before a batch (header `X-Harbor-Hpc-Check`) is answered like any request
 but kept in `checks`, apart from the script's turns.
 
+`faults` make it misbehave as real servers do, per conversation: a conversation whose messages
+hold `[fault:NAME]` (a task's instruction) meets `faults[NAME]` once `after` replies have been
+answered in it: it hangs, answers late, answers an HTTP error (500, 429, vLLM's context-length
+400), closes the connection mid-response, sends a body that is not JSON, drops the token ids
+and logprobs (a server restarted without them), or always gives one reply.
+
 Tokens are UTF-8 bytes, so ids are reproducible and decode back to text: the completion's ids
 are the reply's bytes, the prompt's are those of `render_prompt(messages)`. Every exchange is
 kept in `ScriptedLLM.exchanges` for a test to compare with what Harbor recorded.
@@ -36,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
+import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -79,6 +87,32 @@ def logprob_of(position: int, token_id: int) -> float:
     return -((position + token_id) % 16 + 1) / 64
 
 
+@dataclass(frozen=True)
+class Fault:
+    """What the server does in a conversation that names it, from its reply `after` on."""
+
+    after: int = 0
+    hang: bool = False  # never answer (until the server stops)
+    delay_s: float = 0.0  # answer this late
+    status: int | None = None  # answer this HTTP error (500, 429)
+    context_exceeded: bool = False  # vLLM's 400 for a prompt longer than the model takes
+    close: bool = False  # close the connection halfway through the answer
+    malformed: bool = False  # a 200 whose body is not JSON
+    no_tokens: bool = False  # answer without token ids and logprobs
+    reply: Reply | None = None  # answer this, whatever the script says
+
+    def met(self, turn: int) -> bool:
+        return turn >= self.after
+
+
+CONTEXT_EXCEEDED = (
+    "This model's maximum context length is 4096 tokens. However, you requested 5120 tokens "
+    "(4096 in the messages, 1024 in the completion). Please reduce the length of the messages "
+    "or completion."
+)
+_FAULT_TAG = re.compile(r"\[fault:([a-z0-9_-]+)\]")
+
+
 @dataclass
 class Exchange:
     """One request and what was sent back."""
@@ -104,6 +138,7 @@ class ScriptedLLM:
         each_conversation: bool = False,
         token_ids: bool = True,
         api_key: str | None = None,
+        faults: Mapping[str, Fault] | None = None,
     ) -> None:
         if not script:
             raise ValueError("the script needs at least one reply")
@@ -113,6 +148,8 @@ class ScriptedLLM:
         self.each_conversation = each_conversation
         self.token_ids = token_ids
         self.api_key = api_key
+        self.faults = dict(faults or {})
+        self.stopping = threading.Event()
         self.exchanges: list[Exchange] = []
         self.checks: list[dict[str, Any]] = []
         self._lock = threading.Lock()
@@ -134,6 +171,7 @@ class ScriptedLLM:
         self._thread.start()
 
     def stop(self) -> None:
+        self.stopping.set()  # what hangs ends
         self._http.shutdown()
         self._http.server_close()
 
@@ -146,7 +184,20 @@ class ScriptedLLM:
     ) -> None:
         self.stop()
 
-    def complete(self, request: dict[str, Any], *, check: bool = False) -> dict[str, Any]:
+    def fault(self, request: dict[str, Any]) -> tuple[Fault, int] | None:
+        """The fault `request`'s conversation names, and its turn there, when it is met."""
+        messages = request.get("messages") or []
+        for message in messages:
+            found = _FAULT_TAG.search(str(message.get("content") or ""))
+            if found and found.group(1) in self.faults:
+                fault = self.faults[found.group(1)]
+                turn = sum(1 for message in messages if message.get("role") == "assistant")
+                return (fault, turn) if fault.met(turn) else None
+        return None
+
+    def complete(
+        self, request: dict[str, Any], *, check: bool = False, fault: Fault | None = None
+    ) -> dict[str, Any]:
         """The chat completion answering `request`, recorded in `exchanges` (in `checks`, and
         answered with the script's first reply, for harbor-hpc's check)."""
         with self._lock:
@@ -159,6 +210,9 @@ class ScriptedLLM:
             else:
                 turn = len(self.exchanges)
             reply = self.replies[min(turn, len(self.replies) - 1)]
+            if fault is not None and fault.reply is not None:
+                reply = fault.reply if isinstance(fault.reply, str) else json.dumps(fault.reply)
+            tokens = self.token_ids and not (fault is not None and fault.no_tokens)
             prompt_ids = encode(render_prompt(messages, rewrite_history=self.rewrite_history))
             completion_ids = encode(reply)
             logprobs = [logprob_of(i, t) for i, t in enumerate(completion_ids)]
@@ -180,12 +234,12 @@ class ScriptedLLM:
                     "total_tokens": len(prompt_ids) + len(completion_ids),
                 },
             }
-            if request.get("logprobs"):
+            if request.get("logprobs") and tokens:
                 top = int(request.get("top_logprobs") or 0)
                 choice["logprobs"] = {
                     "content": [_logprob_entry(i, t, top) for i, t in enumerate(completion_ids)]
                 }
-            if request.get("return_token_ids") and self.token_ids:
+            if request.get("return_token_ids") and tokens:
                 response["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = completion_ids
             if not check:
@@ -245,10 +299,40 @@ class _Handler(BaseHTTPRequestHandler):
         if request.get("model") not in (None, llm.model):  # as vLLM's OpenAI server answers
             self._send(404, _error(f"The model `{request['model']}` does not exist.", 404))
             return
-        self._send(200, llm.complete(request, check=bool(self.headers.get(CHECK_HEADER))))
+        check = bool(self.headers.get(CHECK_HEADER))
+        met = None if check else llm.fault(request)
+        if met is None:
+            self._send(200, llm.complete(request, check=check))
+            return
+        fault, turn = met
+        if fault.hang:
+            llm.stopping.wait()
+            return
+        if fault.delay_s and llm.stopping.wait(fault.delay_s):
+            return
+        if fault.status is not None:
+            self._send(fault.status, _error(f"scripted fault at turn {turn}", fault.status))
+        elif fault.context_exceeded:
+            self._send(400, _error(CONTEXT_EXCEEDED, 400))
+        elif fault.malformed:
+            self._send_bytes(200, b'{"id": "chatcmpl-x", "choices": [{"index": 0, "mess')
+        elif fault.close:
+            body = json.dumps(llm.complete(request, fault=fault)).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+        else:
+            self._send(200, llm.complete(request, fault=fault))
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        self._send_bytes(status, json.dumps(body).encode())
+
+    def _send_bytes(self, status: int, data: bytes) -> None:
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -260,9 +344,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _error(message: str, code: int | None = None) -> dict[str, Any]:
-    kind = {404: "NotFoundError", 401: "AuthenticationError"}.get(
-        code or 0, "invalid_request_error"
-    )
+    kind = {
+        404: "NotFoundError",
+        401: "AuthenticationError",
+        400: "BadRequestError",
+        429: "RateLimitError",
+        500: "InternalServerError",
+    }.get(code or 0, "invalid_request_error")
     return {"error": {"message": message, "type": kind, "code": code}}
 
 

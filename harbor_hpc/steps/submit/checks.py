@@ -19,6 +19,7 @@ from harbor_hpc.apptainer.environment_kwargs import (
     option_names,
 )
 from harbor_hpc.apptainer.store import sif_file, unavailable
+from harbor_hpc.apptainer.tools import AGENT_TOOLS, missing_tools
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.imports import cannot_import, import_class
@@ -28,6 +29,7 @@ from harbor_hpc.steps.submit.options import CACHE_KWARG, ROLLOUT_KWARG
 from harbor_hpc.tasks.discovery import Task
 
 ReferenceCheck = Callable[[str], str | None]
+ToolsCheck = Callable[[Path], list[str]]
 
 
 def reference_check(environment_kwargs: dict[str, Any]) -> ReferenceCheck:
@@ -44,30 +46,47 @@ def reference_check(environment_kwargs: dict[str, Any]) -> ReferenceCheck:
     )
 
 
-def image_problem(task: Task, check: ReferenceCheck) -> str | None:
+def tools_check(agent: str) -> ToolsCheck:
+    """What a .sif lacks of the programs `agent` runs in the container (apptainer/tools.py),
+    asked once per image."""
+    tools = AGENT_TOOLS.get(agent, ())
+    return functools.cache(lambda sif: missing_tools(sif, tools))
+
+
+def image_problem(task: Task, check: ReferenceCheck, tools: ToolsCheck | None = None) -> str | None:
     """Why `task` cannot run for want of an image (its own, or its separate verifier's), or None
-    when its images are there to use: a .sif that exists, or a reference a node can get."""
+    when its images are there to use: a .sif that exists (with what the agent runs in it, as
+    `tools` says), or a reference a node can get."""
     image = task.docker_image
     if not image:
         return (
             f"{task.task_toml}: no environment.docker_image (run `harbor-hpc build`, then "
             "`harbor-hpc rewrite --sif`; after a Docker build, `harbor-hpc convert` before it)"
         )
-    problem = _image_problem(image, task.environment_dir, check)
+    problem = _image_problem(image, task.environment_dir, check, tools)
     if problem is not None:
         return f"{task.task_toml}: docker_image {problem}"
     return _verifier_image_problem(task, check)
 
 
-def _image_problem(image: str, folder: Path, check: ReferenceCheck) -> str | None:
+def _image_problem(
+    image: str, folder: Path, check: ReferenceCheck, tools: ToolsCheck | None = None
+) -> str | None:
     sif = sif_file(image, folder)
     if sif is not None:
-        return (
-            None
-            if sif.is_file()
-            else f"{image} does not exist (build or convert into that store, or run "
-            "`harbor-hpc rewrite --sif` with the manifest that has its .sif)"
-        )
+        if not sif.is_file():
+            return (
+                f"{image} does not exist (build or convert into that store, or run "
+                "`harbor-hpc rewrite --sif` with the manifest that has its .sif)"
+            )
+        lacking = tools(sif) if tools is not None else []
+        if lacking:
+            return (
+                f"{image} has no {' or '.join(lacking)}, which the agent runs in the container "
+                f"(add {' and '.join(lacking)} to the image: `RUN apt-get install -y "
+                f"{' '.join(lacking)}` in its Dockerfile, then build and convert again)"
+            )
+        return None
     why = check(image)
     if why is None:
         return None

@@ -50,8 +50,9 @@ from harbor_hpc.steps.submit.checks import (
     reference_check,
     refuse_secrets,
     require_agent_env,
+    tools_check,
 )
-from harbor_hpc.steps.submit.model_server import check_model_server
+from harbor_hpc.steps.submit.model_server import check_model_server, check_route
 from harbor_hpc.steps.submit.options import (
     SubmitOptions,
     placed_environment_kwargs,
@@ -126,13 +127,14 @@ def submit_run(
     given_env = agent_env(options.agent_env)
     values = {name: value for name, value in given_env.items() if value is not None}
     if options.require_images:
-        check = reference_check(environment_kwargs)
-        missing = [p for task in discovery.tasks if (p := image_problem(task, check))]
+        check, tools = reference_check(environment_kwargs), tools_check(options.agent)
+        missing = [p for task in discovery.tasks if (p := image_problem(task, check, tools))]
         if missing:
             raise InputError(
                 f"{len(missing)} task(s) have no image to run: " + "; ".join(missing[:5]),
                 hint="build, convert or rewrite them first; nothing was queued",
             )
+    check_route(options.model, agent_kwargs)
     if options.model_check:
         check_model_server(options.model, agent_kwargs, values)
     record = RunRecord(
@@ -236,11 +238,11 @@ def _launch(
     """Record image problems, group, chunk and size the runnable units, and queue them (with
     `env`, the `--agent-env` values given, in the environment the jobs get)."""
     executor = choose_executor(str(record.options["executor"]))
-    check = reference_check(record.environment_kwargs)
+    check, tools = reference_check(record.environment_kwargs), tools_check(record.agent)
     problems = {
         rel: problem
         for rel in sorted({unit.task for unit in units})
-        if (problem := image_problem(tasks[rel], check)) is not None
+        if (problem := image_problem(tasks[rel], check, tools)) is not None
     }
     runnable = [unit for unit in units if unit.task not in problems]
     groups = plan_groups(record, runnable, tasks, executor)

@@ -53,6 +53,30 @@ def served_name(model: str) -> str:
     return model.split("/", 1)[1] if "/" in model else model
 
 
+def check_route(model: str | None, agent_kwargs: Mapping[str, Any]) -> None:
+    """Refuse a model name that litellm (the agent's client) cannot route to the user's server:
+    without a provider prefix every call fails in the agent, after its retries, in every trial,
+    though the server itself may serve that very name."""
+    url = server_url(model, agent_kwargs)
+    if url is None or not model:
+        return
+    import litellm
+
+    quiet, litellm.suppress_debug_info = litellm.suppress_debug_info, True
+    try:
+        litellm.get_llm_provider(model=model, api_base=url)
+    except Exception as exc:  # litellm's BadRequestError, or whatever its routing raises
+        said = " ".join(str(exc).split())[:160]
+        raise InputError(
+            f"--model {model}: litellm, the agent's model client, cannot route it to {url} "
+            f"({said})",
+            hint=f"name the provider: --model openai/{model} for an OpenAI-compatible server "
+            "(vLLM, SGLang)",
+        ) from None
+    finally:
+        litellm.suppress_debug_info = quiet
+
+
 def check_model_server(
     model: str | None,
     agent_kwargs: Mapping[str, Any],
