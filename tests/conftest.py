@@ -36,8 +36,9 @@ import psutil
 import pytest
 
 from harbor_hpc.apptainer.network import egress_problem
-from harbor_hpc.apptainer.nodes import answers_file
+from harbor_hpc.apptainer.nodes import load_answers
 from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.fetch.hub import Hub
 from harbor_hpc.ray.cluster import ray_missing
@@ -220,8 +221,10 @@ def _ask_the_nodes(store: Path) -> None:
     asks them, so that images are made as there: zstd, which the test cluster's node reads.
     Their answers stay in the user's ~/.cache/harbor-hpc/nodes.json; tests of the asking
     itself give it a HOME of their own."""
-    if answers_file().exists() or shutil.which("sbatch") is None:
+    if shutil.which("sbatch") is None:
         return
+    if any(asked.cluster == slurm_cluster_name() for asked in load_answers()):
+        return  # this cluster's nodes answered already (the answers are kept per cluster)
     partition = os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION")
     try:
         doctor.ask_nodes(SlurmPlacement(partition=partition), store, timeout=120)

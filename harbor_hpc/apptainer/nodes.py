@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.core.config import default_cache_dir
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import atomic_write_json, file_lock, read_json
@@ -130,12 +131,14 @@ def _asked(entry: dict[str, Any]) -> Asked:
 
 
 def zstd_verdict() -> tuple[bool | None, str]:
-    """Whether the nodes asked read zstd images: None when none were ever asked, else True or
-    False with the reason."""
-    asked = load_answers()
+    """Whether the nodes asked of the Slurm cluster this process talks to read zstd images:
+    None when none of them were ever asked, else True or False with the reason. Another
+    cluster's answers (a second SLURM_CONF, a shared home) are not this cluster's."""
+    here = slurm_cluster_name()
+    asked = [entry for entry in load_answers() if entry.cluster == here]
     if not asked:
         return None, (
-            "the compute nodes have not been asked whether they read zstd images "
+            f"the compute nodes of {here} have not been asked whether they read zstd images "
             "(`harbor-hpc doctor --nodes` asks them)"
         )
     for entry in asked:

@@ -62,6 +62,15 @@ def up(
         int | None,
         typer.Option("--cpus-per-node", min=1, help="CPUs of each Ray node. [default: Slurm's, 1]"),
     ] = None,
+    mem_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--mem-per-node",
+            min=0,
+            help="MB of memory the job asks of each node (0: all of it). [default: half the "
+            "partition's biggest node, leaving room for the batches beside it]",
+        ),
+    ] = None,
     ray_nodes_per_node: Annotated[
         int,
         typer.Option(
@@ -133,6 +142,7 @@ def up(
         nodes=nodes,
         placement=placement(config, partition, account, qos, time_min, sbatch_arg, setup_line),
         cpus_per_node=cpus_per_node,
+        mem_mb_per_node=mem_per_node,
         ray_nodes_per_node=ray_nodes_per_node,
         labels=labels,
         join=join,

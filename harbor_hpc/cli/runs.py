@@ -432,6 +432,8 @@ def _summary_line(summary: Summary) -> str:
     failures = ", ".join(f"{count} {name}" for name, count in summary.failures.items())
     mean = "n/a" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
     line = f"{summary.total} attempt(s): {states}; mean reward {mean}"
+    if summary.waiting:
+        line += "; waiting: " + ", ".join(f"{why} ({n})" for why, n in summary.waiting.items())
     return f"{line}; failures: {failures}" if failures else line
 
 

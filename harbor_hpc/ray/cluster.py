@@ -28,6 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import atomic_write_json, atomic_write_text, read_json
 from harbor_hpc.ray.node import address_file, failures, use_token
@@ -44,9 +45,13 @@ POLL_S = 1.0
 
 
 def default_cluster_dir() -> Path:
-    """$HARBOR_HPC_RAY_DIR, else ~/.local/state/harbor-hpc/ray (the home: nodes share it)."""
+    """$HARBOR_HPC_RAY_DIR, else ~/.local/state/harbor-hpc/ray/SLURM_CLUSTER (the home: nodes
+    share it), a folder per Slurm cluster: a home shared by two clusters (another SLURM_CONF)
+    keeps a Ray cluster of each."""
     chosen = os.environ.get("HARBOR_HPC_RAY_DIR")
-    return Path(chosen) if chosen else Path.home() / ".local" / "state" / "harbor-hpc" / "ray"
+    if chosen:
+        return Path(chosen)
+    return Path.home() / ".local" / "state" / "harbor-hpc" / "ray" / slurm_cluster_name()
 
 
 def ray_missing() -> str | None:
@@ -88,6 +93,10 @@ class UpOptions:
     # Where the job goes and how long the cluster lives (`UP_TIME_MIN` unless it says).
     placement: SlurmPlacement
     cpus_per_node: int | None = None
+    # The memory the job asks of each Slurm node, in MB (0: all of it, as Slurm reads
+    # --mem=0); None: half the partition's biggest node, leaving the rest to the batches
+    # beside it (`memory_per_node`).
+    mem_mb_per_node: int | None = None
     # Ray nodes on each Slurm node: several make a multi-node Ray cluster of one machine (each
     # with its own node id and temporary folder), for tests or a fleet of small nodes.
     ray_nodes_per_node: int = 1
@@ -117,6 +126,9 @@ class RayCluster:
     log: str
     joined: bool = False
     labels: str | None = None
+    # The Slurm cluster its job runs on (ClusterName): only from there can its job be asked.
+    slurm_cluster: str | None = None
+    mem_mb_per_node: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,6 +187,8 @@ def job_script(cluster_dir: Path, options: UpOptions) -> str:
     """The batch script (slurm/ray_job.sh): one task per Ray node, each running
     `harbor_hpc.ray.node`."""
     cpus = [f"#SBATCH --cpus-per-task={options.cpus_per_node}"] if options.cpus_per_node else []
+    if options.mem_mb_per_node is not None:
+        cpus.append(f"#SBATCH --mem={options.mem_mb_per_node}M")
     node = [sys.executable, "-m", "harbor_hpc.ray.node", str(cluster_dir)]
     node += ["--join", options.join] if options.join else []
     node += ["--labels", options.labels] if options.labels else []
@@ -236,14 +250,25 @@ def up(
         raise InputError(f"--labels {options.labels!r}: {exc}", hint="e.g. role=env") from None
     # As `ray start` takes them: no empty items, no spaces around the parts.
     options = replace(options, labels=",".join(f"{k}={v}" for k, v in labels.items()) or None)
+    here = slurm_cluster_name()
     if _cluster_file(cluster_dir).exists():
         running = load(cluster_dir)
+        if running.slurm_cluster not in (None, here):
+            # Its job cannot be asked from this cluster: it may well live on its own.
+            raise InputError(
+                f"{cluster_dir} holds a Ray cluster of Slurm cluster {running.slurm_cluster} "
+                f"(job {running.job_id}, {running.address}), not of {here}, whose jobs alone "
+                "can be asked from here",
+                hint="pass another --cluster-dir (each Slurm cluster has its own by default), "
+                f"or `harbor-hpc ray down` it from {running.slurm_cluster}",
+            )
         if slurm.job_state(running.job_id) is not None:
             raise InputError(
                 f"a Ray cluster is already up in {cluster_dir} (job {running.job_id}, "
                 f"{running.address})",
                 hint="end it with `harbor-hpc ray down`, or pass another --cluster-dir",
             )
+    options = replace(options, mem_mb_per_node=memory_per_node(options))
     _private_dir(cluster_dir)
     token = cluster_dir / "token"
     token.unlink(missing_ok=True)
@@ -266,7 +291,12 @@ def up(
             script, what="the Ray cluster job", hint="check --partition, --time and --nodes"
         )
         log = cluster_dir / f"job-{job_id}.log"
-        say(f"Slurm job {job_id}: {options.ray_nodes} Ray node(s), log in {log}; waiting")
+        mem = options.mem_mb_per_node
+        asked = "all its memory" if mem == 0 else f"{mem} MB" if mem else "Slurm's default memory"
+        say(
+            f"Slurm job {job_id}: {options.ray_nodes} Ray node(s), {asked} a node "
+            f"(--mem-per-node), log in {log}; waiting"
+        )
         job = _JobWatch(job_id, log, say)
         address = options.join or _await_address(cluster_dir, job, timeout)
         cluster = RayCluster(
@@ -278,6 +308,8 @@ def up(
             str(log),
             joined=bool(options.join),
             labels=options.labels,
+            slurm_cluster=here,
+            mem_mb_per_node=options.mem_mb_per_node,
         )
         atomic_write_json(_cluster_file(cluster_dir), cluster.to_json())
         _await_nodes(cluster, modules, before + cluster.nodes, job, timeout)
@@ -290,6 +322,18 @@ def up(
         token.unlink(missing_ok=True)
         raise
     return cluster
+
+
+def memory_per_node(options: UpOptions) -> int | None:
+    """What the job asks of each node, in MB: the option, else half the partition's biggest
+    node (a job that asks for none gets every node's whole memory where Slurm counts it, and
+    a batch beside it then waits for the cluster's end); None where sinfo does not say."""
+    if options.mem_mb_per_node is not None:
+        return options.mem_mb_per_node
+    from harbor_hpc.slurm import cluster as slurm  # submitit loads when Slurm is asked
+
+    limits = slurm.partition_limits(options.placement.partition)
+    return limits.mem_mb // 2 if limits is not None and limits.mem_mb > 1 else None
 
 
 # Slurm's reasons for a job that asks for more than its partition, QOS or account gives: it may
@@ -333,6 +377,13 @@ class _JobWatch:
         if status is None:
             return False
         state, reason = status
+        if state == "PENDING" and slurm.never_starts(reason):
+            raise HarborHpcError(
+                f"Slurm will never start the Ray cluster job {self.job_id} ({reason}: it asks "
+                f"for {_BEYOND}); cancelled it",
+                hint="ask for fewer --nodes, a shorter --time, less --mem-per-node, or "
+                "another --partition",
+            )
         if state == "PENDING" and reason != "None" and status != self._told:
             hint = _BEYOND_HINT if reason.startswith(_BEYOND_LIMITS) else ""
             self._say(f"Slurm job {self.job_id} is pending: {reason}{hint}")

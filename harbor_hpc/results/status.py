@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +74,27 @@ class _JobFate:
     submission: Submission
     job: str | None
     alive: bool
+    # Slurm's reason while the job pends (Priority, Resources, PartitionConfig...).
+    reason: str | None = None
 
 
-def _job_fates(record: RunRecord, alive: Collection[str]) -> dict[Unit, _JobFate]:
-    """For each unit, the job of the latest submission that included it and whether it lives."""
+# A pending attempt says why it waits (Slurm's reason) once its submission is this old.
+WAIT_TOLD_S = 60.0
+
+
+def _job_fates(
+    record: RunRecord, alive: Collection[str] | Mapping[str, str | None]
+) -> dict[Unit, _JobFate]:
+    """For each unit, the job of the latest submission that included it, whether it lives, and
+    why it pends."""
+    reasons = alive if isinstance(alive, Mapping) else {}
     fates: dict[Unit, _JobFate] = {}
     for sub in record.submissions:
         for chunk in sub.chunks:
+            lives = chunk.job is not None and chunk.job in alive
+            reason = reasons.get(chunk.job) if chunk.job is not None else None
             for unit in chunk.units:
-                fates[unit] = _JobFate(sub, chunk.job, chunk.job is not None and chunk.job in alive)
+                fates[unit] = _JobFate(sub, chunk.job, lives, reason)
     return fates
 
 
@@ -127,10 +141,12 @@ def latest_markers(markers: list[Marker]) -> dict[Unit, Marker]:
 
 
 def attempt_statuses(
-    run_dir: Path, record: RunRecord, alive: Collection[str]
+    run_dir: Path, record: RunRecord, alive: Collection[str] | Mapping[str, str | None]
 ) -> list[AttemptStatus]:
     """One status per task attempt of the run, in task order; `alive` holds the ids of the
-    run's jobs (array elements, local processes) that are still queued or running."""
+    run's jobs (array elements, local processes) that are still queued or running (as a
+    mapping: with Slurm's reason while each pends, which a pending attempt says once its
+    submission is WAIT_TOLD_S old)."""
     fates = _job_fates(record, alive)
     newest = latest_markers(read_markers(run_dir))
     cancelled = cancelled_through(run_dir)  # read once: every never-started attempt asks
@@ -176,7 +192,11 @@ def _status_of(
                 outcome.trainable,
             )
     if fate is not None and fate.alive:
-        return status(AttemptState.RUNNING if marker is not None else AttemptState.PENDING)
+        if marker is not None:
+            return status(AttemptState.RUNNING)
+        waited = time.time() - _epoch(fate.submission.submitted_at)
+        why = f"Slurm: {fate.reason}" if fate.reason and waited >= WAIT_TOLD_S else None
+        return status(AttemptState.PENDING, message=why)
     failed, lost = AttemptState.FAILED, FailureClass.INFRASTRUCTURE
     if unit.task in record.image_problems and marker is None:
         return status(failed, FailureClass.IMAGE, record.image_problems[unit.task])
@@ -203,6 +223,13 @@ def _status_of(
         out_of_memory(run_dir, fate.job) or f"cancelled, killed, or it failed: see its log in {log}"
     )
     return status(failed, lost, f"job {fate.job} ended before this trial started ({why})")
+
+
+def _epoch(iso: str) -> float:
+    try:
+        return datetime.fromisoformat(iso).timestamp()
+    except ValueError:
+        return 0.0  # an older record's odd stamp: old enough
 
 
 # What slurmstepd writes to a job's stderr when the cgroup's OOM killer ended processes of it.
@@ -239,6 +266,8 @@ class Summary:
     failures: dict[str, int]
     mean_reward: float | None
     total: int
+    # Why pending attempts wait, counted: Slurm's reasons, once they have waited a minute.
+    waiting: dict[str, int] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -252,11 +281,13 @@ def summarize(statuses: list[AttemptStatus]) -> Summary:
     states = Counter(s.state for s in statuses)
     failures = Counter(s.failure for s in statuses if s.failure)
     rewards = [s.reward for s in statuses if s.state == AttemptState.DONE and s.reward is not None]
+    waiting = Counter(s.message for s in statuses if s.state == AttemptState.PENDING and s.message)
     return Summary(
         states={str(state): states.get(state, 0) for state in AttemptState},
         failures=dict(sorted(failures.items())),
         mean_reward=sum(rewards) / len(rewards) if rewards else None,
         total=len(statuses),
+        waiting=dict(sorted(waiting.items())),
     )
 
 

@@ -126,23 +126,55 @@ def expand_array(job: str) -> list[str]:
     return ids
 
 
-def parse_squeue_ids(text: str) -> set[str]:
-    """The job ids of `squeue -h -r -o %i` output, array ranges expanded."""
-    return {element for token in text.split() for element in expand_array(token)}
-
-
 def queued_jobs(job_ids: Collection[str], *, timeout: float = QUERY_TIMEOUT_S) -> set[str]:
     """Which array elements (`1234_5`) or plain jobs of `job_ids` squeue still knows."""
+    return set(queue_reasons(job_ids, timeout=timeout))
+
+
+def queue_reasons(
+    job_ids: Collection[str], *, timeout: float = QUERY_TIMEOUT_S
+) -> dict[str, str | None]:
+    """The array elements (`1234_5`) or plain jobs of `job_ids` that squeue still knows, each
+    with Slurm's reason while it pends (Priority, Resources, PartitionConfig...), else None:
+    one squeue call however many jobs."""
     if not job_ids:
-        return set()
+        return {}
     hint = f"run this on a login node of the cluster that ran the jobs; {CONTROLLER_HINT}"
-    command = ["squeue", "-h", "-r", "-o", "%i", "-j", ",".join(job_ids)]
+    command = ["squeue", "-h", "-r", "-o", "%i|%T|%r", "-j", ",".join(job_ids)]
     ran = _query(command, timeout=timeout, hint=hint)
     if not ran.ok:
         if not ran.error and "Invalid job id" in ran.stderr:
-            return set()  # every job has left the queue (squeue only errs for a lone id)
+            return {}  # every job has left the queue (squeue only errs for a lone id)
         raise _failed(ran, hint)
-    return parse_squeue_ids(ran.stdout)
+    return parse_squeue_reasons(ran.stdout)
+
+
+def parse_squeue_reasons(text: str) -> dict[str, str | None]:
+    """`squeue -h -r -o '%i|%T|%r'` output as each job (array ranges expanded) and the reason
+    it pends (None when it does not pend, or Slurm gives none)."""
+    found: dict[str, str | None] = {}
+    for line in text.splitlines():
+        token, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        why = reason.strip() if state == "PENDING" and reason.strip() not in ("", "None") else None
+        for element in expand_array(token):
+            found[element] = why
+    return found
+
+
+# Slurm's reasons for a job that waiting will never start: it asks for more than its partition
+# allows (with EnforcePartLimits off, sbatch takes such jobs), a constraint no node has, a QOS
+# or account it may not use, a per-job limit it exceeds. Others (Resources, Priority, a node
+# down or drained, a per-user limit) end by themselves.
+_NEVER_STARTS = re.compile(
+    r"^(PartitionConfig|PartitionNodeLimit|PartitionTimeLimit|BadConstraints|InvalidQOS|"
+    r"InvalidAccount|QOSNotAllowed|AccountNotAllowed|(QOS|Assoc)Max\w*PerJob\w*)"
+)
+
+
+def never_starts(reason: str | None) -> bool:
+    """Whether a pending job with Slurm's `reason` will never start however long it waits."""
+    return bool(reason) and bool(_NEVER_STARTS.match(reason or ""))
 
 
 # --- sinfo and scontrol: what the cluster offers ----------------------------------------------

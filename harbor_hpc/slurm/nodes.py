@@ -18,8 +18,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from harbor_hpc.apptainer.nodes import READ_MARK, Asked, parse_answer
+from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.slurm import cluster
-from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
+from harbor_hpc.slurm.cluster import SlurmPlacement
 
 POLL_S = 1.0
 _HINT = "the partition, account and qos are harbor-hpc.toml's (or --partition)"
@@ -79,11 +80,6 @@ def ask_nodes(
             continue
         answers.append(parse_answer(node, out.read_text(errors="replace")))
     shutil.rmtree(logs, ignore_errors=True)  # what each said is in its answer
-    return Asked(_cluster_name(), nodes.partition, time.time(), tuple(answers), tuple(unanswered))
-
-
-def _cluster_name() -> str:
-    try:
-        return cluster.config().get("ClusterName", "cluster")
-    except SlurmError:
-        return "cluster"
+    return Asked(
+        slurm_cluster_name(), nodes.partition, time.time(), tuple(answers), tuple(unanswered)
+    )

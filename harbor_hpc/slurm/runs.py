@@ -18,21 +18,23 @@ from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor
 
 
-def live_jobs(record: RunRecord) -> set[str]:
-    """The ids of the run's jobs (array elements, local processes) still queued or running."""
-    queued = cluster.queued_jobs(
+def live_jobs(record: RunRecord) -> dict[str, str | None]:
+    """The ids of the run's jobs (array elements, local processes) still queued or running,
+    each with Slurm's reason while it pends (None: it runs, or is a local process)."""
+    queued = cluster.queue_reasons(
         [job for sub in record.submissions if sub.executor == Executor.SLURM for job in sub.job_ids]
     )
-    alive = set()
+    alive: dict[str, str | None] = {}
     for sub in record.submissions:
         for job in (chunk.job for chunk in sub.chunks if chunk.job is not None):
             if sub.executor == Executor.SLURM:
                 # An element, or its whole array when squeue prints the array's own id.
-                lives = job in queued or job.split("_", 1)[0] in queued
-            else:
-                lives = _local_job_alive(sub, job)
-            if lives:
-                alive.add(job)
+                for known in (job, job.split("_", 1)[0]):
+                    if known in queued:
+                        alive[job] = queued[known]
+                        break
+            elif _local_job_alive(sub, job):
+                alive[job] = None
     return alive
 
 

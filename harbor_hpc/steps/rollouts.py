@@ -209,16 +209,21 @@ class Progress:
     running: int
     pending: int
     total: int
+    # Why the pending ones wait, once they have waited a minute: Slurm's reasons, with how
+    # many attempts each holds back ("Slurm: Resources (12)").
+    waiting: str | None = None
 
     @classmethod
     def of(cls, status: RunStatus) -> Progress:
         states = status.summary.states
+        waiting = ", ".join(f"{why} ({n})" for why, n in status.summary.waiting.items())
         return cls(
             done=states[AttemptState.DONE],
             failed=states[AttemptState.FAILED],
             running=states[AttemptState.RUNNING],
             pending=states[AttemptState.PENDING],
             total=status.summary.total,
+            waiting=waiting or None,
         )
 
 
@@ -311,7 +316,7 @@ def follow_rollouts(
     seen: Progress | None = None
     finished = cancelled = False
     try:
-        for status in follow(run_dir):
+        for status in _in_python_words(follow(run_dir)):
             now = Progress.of(status)
             if progress is not None and now != seen:
                 progress(now)
@@ -329,6 +334,12 @@ def follow_rollouts(
         if not (finished or cancelled):  # the caller stopped early: the rest is not wanted
             cancel_run(run_dir)
             _settle(run_dir, progress)
+
+
+def _in_python_words[T](statuses: Iterator[T]) -> Iterator[T]:
+    """`statuses`, whose errors (a job Slurm will never start) speak to a Python caller."""
+    with python_words():
+        yield from statuses
 
 
 def _new_lines(

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import Export, ExportFormat, export_run
 from harbor_hpc.results.record import Unit, cancel_submissions, load_run, read_markers
 from harbor_hpc.results.status import RunStatus, attempt_statuses
@@ -51,11 +52,31 @@ def follow(
     while True:
         if time.monotonic() - asked >= squeue_every_s:
             alive, asked = live_jobs(record), time.monotonic()
+        refuse_never_starting(alive)
         status = RunStatus.of(attempt_statuses(run_dir, record, alive))
         yield status
         if status.summary.finished:
             return
         time.sleep(every_s)
+
+
+def refuse_never_starting(alive: dict[str, str | None]) -> None:
+    """Cancel the run's jobs that Slurm will never start (they ask for more than the partition
+    or the user's limits allow: `cluster.never_starts`) and say so, rather than wait for ever:
+    their attempts end failed (infrastructure), for `resubmit` once what they ask is fixed."""
+    never = {job: why for job, why in alive.items() if cluster.never_starts(why)}
+    if not never:
+        return
+    cluster.cancel(*never)
+    reasons = ", ".join(sorted(set(filter(None, never.values()))))
+    jobs = sorted(never)
+    shown = ", ".join(jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
+    raise HarborHpcError(
+        f"Slurm will never start job(s) {shown} ({reasons}: they ask for more than the "
+        "partition, its nodes or your limits allow); cancelled them, their attempts failed",
+        hint="ask for less (--mem, --cpus, --time) or another --partition, then "
+        "`harbor-hpc resubmit` the run",
+    )
 
 
 def cancel_run(run_dir: Path) -> None:

@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harbor_hpc.api import (
+    HarborHpcError,
+    Progress,
+    RolloutRequest,
+    cancel_run,
+    run_rollouts,
+    run_status,
+)
+from harbor_hpc.results.record import update_run
 from tests.e2e.test_terminus2 import SCRIPT, agent_args, export, turn
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import make_task
@@ -141,3 +152,61 @@ def test_ctrl_c_stops_the_waiting_in_one_line_and_the_local_trial_runs_on(
     assert (status["state"], status["reward"], status["trainable"]) == ("done", 1.0, True), status
     logs = " ".join(path.read_text() for path in (run_dir / "submitit").rglob("*.err"))
     assert "KeyboardInterrupt" not in logs
+
+
+@pytest.mark.slurm
+def test_a_job_slurm_will_never_start_ends_the_wait_at_once_with_slurms_reason(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """Five nodes of a one-node partition: Slurm takes the job and keeps it pending for good
+    (PartitionNodeLimit). `submit --wait` and `run_rollouts` waited for it without end."""
+    make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    started = time.monotonic()
+    waited = cli(
+        "submit", str(tmp_path / "tasks"), "--agent", "oracle", "--run-dir", str(tmp_path / "run"),
+        "--executor", "slurm", "--sbatch-arg=--nodes=5", "--wait", check=False,
+    )  # fmt: skip
+    assert waited.returncode == 1, waited.stderr
+    assert "Slurm will never start job(s)" in waited.stderr
+    # Slurm 22.05 says PartitionConfig or PartitionNodeLimit, as it first weighs the job.
+    assert re.search(r"\(Partition\w+: they ask for more than the partition", waited.stderr)
+    assert time.monotonic() - started < 90
+    (status,) = cli_json("status", str(tmp_path / "run"))
+    assert (status["state"], status["failure"]) == ("failed", "infrastructure")
+
+    request = RolloutRequest(
+        tasks=tmp_path / "tasks", run_dir=tmp_path / "python", agent="oracle",
+        executor="slurm", sbatch_args=["--nodes=5"],
+    )  # fmt: skip
+    with pytest.raises(HarborHpcError, match=r"never start job\(s\) .*\(Partition\w+: ") as err:
+        run_rollouts(request)
+    assert "resubmit_run" in (err.value.hint or "")  # in Python's words
+    assert time.monotonic() - started < 180
+
+
+@pytest.mark.slurm
+def test_status_says_why_an_attempt_waits_once_it_has_waited_a_minute(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    run_dir = tmp_path / "run"
+    cli(
+        "submit", str(tmp_path / "tasks"), "--agent", "oracle", "--run-dir", str(run_dir),
+        "--executor", "slurm", "--sbatch-arg=--begin=now+3600",
+    )  # fmt: skip
+    try:
+        (fresh,) = cli_json("status", str(run_dir))
+        assert (fresh["state"], fresh["message"]) == ("pending", None)  # not a minute yet
+        with update_run(run_dir) as record:  # as if submitted two minutes ago
+            record.submissions[0].submitted_at = (
+                datetime.now(UTC) - timedelta(minutes=2)
+            ).isoformat()
+        (waiting,) = cli_json("status", str(run_dir))
+        # BeginTime; Resources or Priority while other jobs hold the node: Slurm's words.
+        why = waiting["message"]
+        assert waiting["state"] == "pending" and re.fullmatch(r"Slurm: [A-Za-z]+", why), why
+        shown = " ".join(cli("status", str(run_dir)).stdout.split())
+        assert f"waiting: {why} (1)" in shown
+        assert Progress.of(run_status(run_dir)).waiting == f"{why} (1)"
+    finally:
+        cancel_run(run_dir)

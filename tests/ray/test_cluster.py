@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,8 @@ from typing import Any
 import psutil
 import pytest
 
-from harbor_hpc.slurm.cluster import job_state
+from harbor_hpc.core.cluster_name import slurm_cluster_name
+from harbor_hpc.slurm.cluster import job_state, partition_limits
 from tests.support.cli import cli, cli_json
 from tests.support.users import other_user_command
 
@@ -91,8 +93,10 @@ def test_up_prints_the_address_and_keeps_the_token_private(
 ) -> None:
     cluster, up = started
     assert set(cluster) == {
-        *("address", "job_id", "nodes", "cluster_dir", "token_file", "log", "joined", "labels")
+        *("address", "job_id", "nodes", "cluster_dir", "token_file", "log", "joined", "labels"),
+        *("slurm_cluster", "mem_mb_per_node"),
     }
+    assert cluster["slurm_cluster"] == slurm_cluster_name()
     assert cluster["joined"] is False
     host, _, port = cluster["address"].rpartition(":")
     assert host and port.isdigit()
@@ -111,6 +115,43 @@ def test_up_prints_the_address_and_keeps_the_token_private(
             assert token.encode() not in cmdline.read_bytes(), cmdline
         except OSError:
             continue  # a process that ended, or another user's
+
+
+def test_the_job_asks_for_half_a_node_of_memory_by_default_and_says_so(
+    started: tuple[dict[str, Any], subprocess.CompletedProcess[str]], cluster_dir: Path
+) -> None:
+    """Without --mem the job held every node's whole memory where Slurm counts it, and a batch
+    beside it waited (Resources) for the cluster's end."""
+    cluster, up = started
+    limits = partition_limits(os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION"))
+    assert limits is not None
+    assert cluster["mem_mb_per_node"] == limits.mem_mb // 2
+    assert f"#SBATCH --mem={limits.mem_mb // 2}M" in (cluster_dir / "job.sh").read_text()
+    assert f"{limits.mem_mb // 2} MB a node (--mem-per-node)" in up.stderr
+    shown = subprocess.run(
+        ["scontrol", "show", "job", cluster["job_id"]], capture_output=True, text=True
+    ).stdout
+    assert f"MinMemoryNode={limits.mem_mb // 2}M" in shown, shown
+
+
+def test_a_folder_of_another_slurm_clusters_ray_cluster_is_never_overwritten(
+    tmp_path: Path,
+) -> None:
+    """`ray up` from a second cluster (another SLURM_CONF) could not ask the first's job, took
+    it for ended, and overwrote its files and token while it ran on."""
+    folder = tmp_path / "cluster"
+    folder.mkdir()
+    theirs = {"address": "10.0.0.5:6379", "job_id": "77", "nodes": 1, "cluster_dir": str(folder),
+              "token_file": str(folder / "token"), "log": str(folder / "job-77.log"),
+              "slurm_cluster": "another-cluster"}  # fmt: skip
+    (folder / "cluster.json").write_text(json.dumps(theirs))
+    (folder / "token").write_text("theirs\n")
+    up = cli("ray", "up", "--nodes", "1", "--cluster-dir", str(folder), check=False)
+    assert up.returncode == 2, up.stderr
+    assert "holds a Ray cluster of Slurm cluster another-cluster (job 77" in up.stderr
+    assert json.loads((folder / "cluster.json").read_text()) == theirs
+    assert (folder / "token").read_text() == "theirs\n"
+    assert "Slurm job" not in up.stderr  # nothing queued
 
 
 def test_the_job_ran_the_sites_setup_lines_first(
@@ -270,17 +311,25 @@ def test_a_cluster_not_up_in_time_is_cancelled_and_forgotten(tmp_path: Path) -> 
     assert not list(cluster_dir.glob("*.address"))
 
 
-def test_a_cluster_beyond_the_partition_says_so_when_it_gives_up(tmp_path: Path) -> None:
-    # Three nodes of a one-node partition: Slurm keeps the job pending, and up says why.
+def test_a_cluster_slurm_will_never_start_fails_at_once_with_slurms_reason(
+    tmp_path: Path,
+) -> None:
+    # Three nodes of a one-node partition: Slurm keeps the job pending for good
+    # (PartitionConfig or PartitionNodeLimit), which up no longer waits out (600 s by default).
+    started = time.monotonic()
     up = cli(
-        "ray", "up", "--nodes", "3", "--wait-timeout", "8",
-        "--cluster-dir", str(tmp_path / "cluster"), check=False,
+        "ray", "up", "--nodes", "3", "--cluster-dir", str(tmp_path / "cluster"), check=False,
     )  # fmt: skip
     assert up.returncode == 1, up.stderr
+    assert time.monotonic() - started < 60
     error = next(line for line in up.stderr.splitlines() if line.startswith("error: "))
-    assert "after 8 s, pending (Slurm: Partition" in error and error.endswith("cancelled it")
-    assert "check --nodes, --time and --cpus-per-node" in up.stderr
+    assert "Slurm will never start the Ray cluster job" in error, error
+    assert re.search(r"\(Partition\w+: it asks for more than the partition", error), error
+    assert error.endswith("cancelled it")
     assert "see its log" not in up.stderr  # a job that never ran wrote none
+    job_id = error.split("Ray cluster job ", 1)[1].split()[0]
+    assert job_state(job_id) in JOB_GONE
+    assert not (tmp_path / "cluster" / "cluster.json").exists()
 
 
 # `kill`, `timeout` or the scancel of a job running it; the terminal it waits in closed.
@@ -288,12 +337,12 @@ def test_a_cluster_beyond_the_partition_says_so_when_it_gives_up(tmp_path: Path)
 def test_up_told_to_stop_while_waiting_cancels_its_job(
     stop: signal.Signals, tmp_path: Path
 ) -> None:
-    # Three nodes of a one-node partition: the job waits in the queue for good.
+    # A job told to begin in an hour: it waits in the queue (BeginTime) for longer than this.
     cluster_dir = tmp_path / "cluster"
     # SIGHUP at its default, as under a terminal, whatever this run inherited (`nohup`).
     up = subprocess.Popen(
         ["env", "--default-signal=HUP", sys.executable, "-m", "harbor_hpc", "ray", "up",
-         "--nodes", "3", "--cluster-dir", str(cluster_dir)],
+         "--nodes", "1", "--sbatch-arg=--begin=now+3600", "--cluster-dir", str(cluster_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     job_id = ""
@@ -306,8 +355,8 @@ def test_up_told_to_stop_while_waiting_cancels_its_job(
         # reader is left behind, not waited for, should the line never come).
         pending = ThreadPoolExecutor(1).submit(up.stderr.readline).result(timeout=30)
         assert pending.startswith(f"Slurm job {job_id} is pending: "), pending
+        # BeginTime, or Resources while the other tests' jobs hold the node.
         assert pending.split(": ", 1)[1].strip() not in ("", "None"), pending
-        assert "check --nodes, --time and --cpus-per-node" in pending  # a partition's limit
         up.send_signal(stop)
         _, err = up.communicate(timeout=60)
     finally:

@@ -19,19 +19,36 @@ from tests.support.fake_slurm import (
     FakeSlurm,
 )
 
-# `squeue -h -r -o %i -j 275` of a held array `--array=0-5%2` on Slurm 22.05 prints each element;
-# without -r, or for elements not yet split off on other versions, the range itself.
-SQUEUE_ELEMENTS = "275_0\n275_1\n275_2\n275_3\n275_4\n275_5\n"
+# `squeue -h -r -o '%i|%T|%r'` on Slurm 22.05 as recorded: a held array `--array=0-3%2` (each
+# element; without -r, or for elements not yet split off on other versions, the range itself),
+# a job asking for 64 CPUs of 2-CPU nodes, one asking for 5 of 1 node, one running.
+SQUEUE_REASONS = (
+    "9|PENDING|PartitionConfig\n11|PENDING|PartitionNodeLimit\n8_0|PENDING|JobHeldUser\n"
+    "8_1|PENDING|JobHeldUser\n8_2|PENDING|JobHeldUser\n8_3|PENDING|JobHeldUser\n"
+    "10|RUNNING|None\n"
+)
 
 
 def test_array_ranges_expand() -> None:
     assert cluster.expand_array("12_[0-2,5%2]") == ["12_0", "12_1", "12_2", "12_5"]
     assert cluster.expand_array("12_3") == ["12_3"]
     assert cluster.expand_array("12") == ["12"]
-    assert cluster.parse_squeue_ids(SQUEUE_ELEMENTS) == {f"275_{i}" for i in range(6)}
-    assert cluster.parse_squeue_ids("275_[0-5%2]\n280\n") == {f"275_{i}" for i in range(6)} | {
-        "280"
+    assert cluster.parse_squeue_reasons(SQUEUE_REASONS) == {
+        "9": "PartitionConfig",
+        "11": "PartitionNodeLimit",
+        **{f"8_{i}": "JobHeldUser" for i in range(4)},
+        "10": None,
     }
+    ranged = cluster.parse_squeue_reasons("275_[0-5%2]|PENDING|Priority\n280|RUNNING|None\n")
+    assert ranged == {**{f"275_{i}": "Priority" for i in range(6)}, "280": None}
+
+
+def test_only_the_reasons_waiting_cannot_end_mean_never() -> None:
+    never = ["PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints"]
+    never += ["InvalidQOS", "QOSMaxCpuPerJobLimit", "AssocMaxWallDurationPerJobLimit"]
+    assert all(cluster.never_starts(reason) for reason in never)
+    waits = ("Priority", "Resources", "JobHeldUser", "ReqNodeNotAvail", "QOSMaxJobsPerUserLimit")
+    assert not any(cluster.never_starts(reason) for reason in (*waits, "AssocMaxJobsLimit", None))
 
 
 def test_what_sinfo_and_scontrol_say_is_read() -> None:
@@ -65,9 +82,9 @@ def test_ping_and_partitions_are_read() -> None:
 
 
 def test_queued_jobs_asks_squeue_once(fake_slurm: FakeSlurm) -> None:
-    fake_slurm.answer("squeue", "275_[2-3]\n275_1\n")
+    fake_slurm.answer("squeue", "275_[2-3]|PENDING|Priority\n275_1|RUNNING|None\n")
     assert cluster.queued_jobs(["275", "280"]) == {"275_1", "275_2", "275_3"}
-    assert fake_slurm.calls("squeue") == [["-h", "-r", "-o", "%i", "-j", "275,280"]]
+    assert fake_slurm.calls("squeue") == [["-h", "-r", "-o", "%i|%T|%r", "-j", "275,280"]]
     assert cluster.queued_jobs([]) == set()
     assert len(fake_slurm.calls("squeue")) == 1  # nothing to ask: no call
 
@@ -85,7 +102,7 @@ def test_a_purged_lone_job_is_gone_and_a_failure_is_named(fake_slurm: FakeSlurm)
     with pytest.raises(SlurmError) as failed:
         cluster.queued_jobs(["275"])
     assert failed.value.message == (
-        "`squeue -h -r -o %i -j 275` failed: "
+        "`squeue -h -r -o %i|%T|%r -j 275` failed: "
         "slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
     )
     assert failed.value.hint and "scontrol ping" in failed.value.hint

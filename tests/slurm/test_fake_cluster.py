@@ -256,4 +256,4 @@ def test_a_local_job_lives_as_long_as_its_process(
             Submission(3, "local", "another-host", "t", [Chunk([], "1")]),
         ]
     # From another host a local job's fate cannot be seen: it counts as alive.
-    assert live_jobs(load_run(run_dir)) == {live, "1"}
+    assert set(live_jobs(load_run(run_dir))) == {live, "1"}

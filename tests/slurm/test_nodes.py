@@ -9,13 +9,22 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.nodes import answers_file, parse_answer, zstd_verdict
+from harbor_hpc.apptainer.nodes import (
+    Asked,
+    NodeAnswer,
+    answers_file,
+    parse_answer,
+    save_answers,
+    zstd_verdict,
+)
 from harbor_hpc.apptainer.runtime import build_command, sif_compression, zstd_here
+from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm.cluster import parse_partition_nodes
 from tests.conftest import MultiNode
@@ -88,7 +97,7 @@ def test_nodes_never_asked_get_gzip_and_doctor_says_how_to_ask(
         command = build_command("image.sif", "docker://x")
         build_command("other.sif", "docker://y")
     assert "--mksquashfs-args" not in command
-    assert caplog.text.count("images are made with gzip: the compute nodes have not") == 1
+    assert caplog.text.count("images are made with gzip: the compute nodes of ") == 1
     checks = json.loads(cli("doctor", "--json", check=False).stdout)
     compression = next(check for check in checks if check["check"] == "compression")
     assert compression["status"] == "warn" and "doctor --nodes" in compression["fix"]
@@ -174,3 +183,16 @@ def _converted(tiny_image: TinyImage, store: Path) -> str:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return squashfs_compression(Path(made.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.slurm
+def test_another_clusters_answers_are_not_this_ones(home_of_its_own: Path) -> None:
+    """A second cluster's nodes (another SLURM_CONF, a home both share) answered for it
+    alone: doctor and the images of this cluster went by them."""
+    reads = (NodeAnswer("c1", "apptainer version 1.4.5", True),)
+    save_answers(Asked("another-cluster", "debug", time.time(), reads))
+    verdict, why = zstd_verdict()
+    assert verdict is None and f"compute nodes of {slurm_cluster_name()} have not" in why
+    save_answers(Asked(slurm_cluster_name(), "debug", time.time(), reads))
+    assert zstd_verdict() == (True, f"1 node of {slurm_cluster_name()}/debug read zstd images "
+                              "(asked 0 min ago)")  # fmt: skip
