@@ -33,7 +33,7 @@ from harbor.models.trial.config import (
 )
 from harbor.trial.trial import Trial
 
-from harbor_hpc.api import error_policy_overrides, trial_rollout
+from harbor_hpc.api import error_policy_overrides, recording_calls, trial_rollout
 
 ENVIRONMENT = "harbor_hpc.environment:RaySingularityEnvironment"
 
@@ -42,7 +42,10 @@ async def run_trial(config: TrialConfig) -> tuple[Path, str]:
     """One rollout: its trial folder and the node its container ran on (address and Ray node
     id)."""
     trial = await Trial.create(config)
-    await trial.run()
+    # Each model call of the agent, kept in the trial's folder: the evidence `trial_rollout`
+    # needs to tell a hung or slow policy server from the policy itself (never trainable).
+    with recording_calls(trial.paths.trial_dir):
+        await trial.run()
     environment = trial.agent_environment
     return trial.paths.trial_dir, f"{environment.node} node_id={environment.node_id}"
 

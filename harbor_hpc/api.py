@@ -12,7 +12,9 @@ CLI's) for what a user can cause.
   counts them); `cancel_run(run_dir)` stops what is left of a run; `run_status(run_dir)` is
   `status`; `export(run_dir, out, fmt=...)` is `export`;
   `rollout_lines(run_dir, run_status(run_dir).attempts, fmt=...)` the lines without a file;
-  `trial_rollout(trial_dir, task_dir)` the line of one Harbor trial a trainer ran itself.
+  `trial_rollout(trial_dir, task_dir)` the line of one Harbor trial a trainer ran itself,
+  whose agent's model calls `with recording_calls(trial_dir): await trial.run()` keeps as the
+  evidence of whose outcome it was (docs/results.md, the validity rule).
 - The Harbor environments, for a trainer that builds Harbor trials itself:
   `SingularityEnvironment` (the container beside the process) and `RaySingularityEnvironment`
   (the container on a Ray cluster's node; the `ray` extra).
@@ -48,6 +50,7 @@ from harbor_hpc.core.config import Config, configured, load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.results import export as _export
+from harbor_hpc.results.calls import recording_calls
 from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.export import Export, ExportFormat
 from harbor_hpc.results.rollout import trial_rollout
@@ -122,6 +125,7 @@ __all__ = [
     "error_policy_overrides",
     "export",
     "load_config",
+    "recording_calls",
     "resubmit_run",
     "rollout_lines",
     "run_rollouts",
