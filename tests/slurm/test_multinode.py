@@ -134,6 +134,11 @@ def test_a_node_that_crashes_under_a_run_loses_nothing_and_duplicates_nothing(
     cli_json("export", str(run_dir), "--out", str(out), env=cluster.env)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(line["task"] for line in lines if line["counts"]) == ["a", "b", "c"]
+    # The trial the lost node cut, if it left a result: the cluster's, never trainable.
+    for line in lines:
+        if line["trial"] == cut.trial:
+            assert (line["failure"], line["trainable"]) == ("infrastructure", False), line
+    assert all(line["trainable"] and line["group_trainable"] for line in lines if line["counts"])
 
 
 def push_tiny_images(count: int) -> list[str]:

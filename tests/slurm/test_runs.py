@@ -520,7 +520,7 @@ def test_a_trial_the_jobs_memory_cgroup_kills_is_named_not_scored(
     statuses = by_task(cli_json("status", str(run_dir)))
     assert (statuses["fine"]["state"], statuses["fine"]["reward"]) == ("done", 1.0)
     hog = statuses["hog"]
-    assert (hog["state"], hog["failure"]) == ("failed", "memory"), hog
+    assert (hog["state"], hog["failure"], hog["trainable"]) == ("failed", "memory", False), hog
     assert "OOM killer" in hog["message"] and "held to 1500 MB" in hog["message"], hog
     # submit said so before queueing: the element asks less than its trials need.
     assert "an element asks for 1500 MB, less than" in waited.stderr, waited.stderr
