@@ -24,14 +24,16 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import errno
 import functools
 import inspect
 import ipaddress
 import logging
+import os
 import resource
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, override
 
@@ -65,13 +67,17 @@ from harbor_hpc.apptainer.errors import (
 )
 from harbor_hpc.apptainer.limits import (
     AS_YOU,
+    DISK_FULL_PREFIX,
+    ENOSPC_TEXT,
     EXDEV_TEXT,
+    FULL_BELOW_BYTES,
     IN_MEMORY,
     ONE_ID,
     RENAME_REFUSED,
     ROOT_MAPPED,
     UNPACKED_ROOT,
     WRITABLE_TMPFS,
+    disk_full,
     node_network,
     write_limits,
 )
@@ -200,10 +206,11 @@ def environment_capabilities(
     )
 
 
-def _say_exdev(folders: list[Path]) -> bool:
-    """Whether a file under `folders` (the trial's agent and verifier logs, bounded in size)
-    holds EXDEV's words, read in chunks."""
-    overlap = len(EXDEV_TEXT) - 1
+def _logs_say(folders: list[Path], words: tuple[bytes, ...]) -> set[bytes]:
+    """Which of `words` a file under `folders` (the trial's agent and verifier logs, bounded in
+    size) holds, read in chunks."""
+    overlap = max(len(word) for word in words) - 1
+    found: set[bytes] = set()
     for folder in folders:
         for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
             with contextlib.suppress(OSError):
@@ -212,10 +219,9 @@ def _say_exdev(folders: list[Path]) -> bool:
                 with path.open("rb") as file:
                     tail = b""
                     while chunk := file.read(1 << 20):
-                        if EXDEV_TEXT in tail + chunk:
-                            return True
+                        found.update(word for word in words if word in tail + chunk)
                         tail = chunk[-overlap:]
-    return False
+    return found
 
 
 def _exec_result(output: CommandOutput) -> ExecResult:
@@ -849,7 +855,29 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._raise_if_oom_killed()
         if main.root is not None and (EXDEV_TEXT in output.stdout or EXDEV_TEXT in output.stderr):
             self._note_refused_rename(main)
+        if ENOSPC_TEXT in output.stdout or ENOSPC_TEXT in output.stderr:
+            self._note_full_disk()
         return _exec_result(output)
+
+    def _note_full_disk(self) -> None:
+        """A command printed ENOSPC's words: where the scratch disk (the container's writable
+        layer, its /tmp) is nearly full now, say so in the trial's folder, once, so that a reward
+        it cost is named, not learned from. A task that fills a disk of its own making, or one
+        with room left, is the task's."""
+        noted = any(limit.startswith(DISK_FULL_PREFIX) for limit in self._limits)
+        if self._scratch is None or noted:
+            return
+        try:
+            stats = os.statvfs(self._scratch.path)
+        except OSError:
+            return
+        free = stats.f_bavail * stats.f_frsize
+        if free >= FULL_BELOW_BYTES:
+            return
+        limit = disk_full(str(self._scratch.path.parent), free)
+        self._limits.append(limit)
+        self.logger.warning("task %s: %s", self.environment_name, limit)
+        write_limits(self.trial_paths.trial_dir, self._limits)
 
     def _note_refused_rename(self, main: Container) -> None:
         """A command of a container run from an unpacked root printed EXDEV's words (in what
@@ -927,19 +955,34 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     @override
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        await self._require_main().upload_file(Path(source_path), target_path)
+        with self._noting_full_disk():
+            await self._require_main().upload_file(Path(source_path), target_path)
 
     @override
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        await self._require_main().upload_dir(Path(source_dir), target_dir)
+        with self._noting_full_disk():
+            await self._require_main().upload_dir(Path(source_dir), target_dir)
 
     @override
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
-        await self._require_main().download_file(source_path, Path(target_path))
+        with self._noting_full_disk():
+            await self._require_main().download_file(source_path, Path(target_path))
 
     @override
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        await self._require_main().download_dir(source_dir, Path(target_dir))
+        with self._noting_full_disk():
+            await self._require_main().download_dir(source_dir, Path(target_dir))
+
+    @contextlib.contextmanager
+    def _noting_full_disk(self) -> Iterator[None]:
+        """A transfer through the staging folder (on the scratch disk) that failed for want of
+        room (the tests' upload before the verifier, the logs' download) is the disk's."""
+        try:
+            yield
+        except Exception as exc:
+            if ENOSPC_TEXT.decode() in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
+                self._note_full_disk()
+            raise
 
     # -- compose services (Harbor's per-service operations) -------------------------
 
@@ -1021,8 +1064,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 writable += self._volume_targets(self._compose.main.volumes)
             await self._main.stop(writable)
             logs = [self.trial_paths.agent_dir, self.trial_paths.verifier_dir]
-            if self._main.root is not None and await asyncio.to_thread(_say_exdev, logs):
+            said = await asyncio.to_thread(_logs_say, logs, (EXDEV_TEXT, ENOSPC_TEXT))
+            if self._main.root is not None and EXDEV_TEXT in said:
                 self._note_refused_rename(self._main)
+            if ENOSPC_TEXT in said:
+                self._note_full_disk()
             self._main = None
         for lease in self._root_leases:
             lease.release()

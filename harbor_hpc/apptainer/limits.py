@@ -47,6 +47,25 @@ RENAME_REFUSED = (
 )
 
 
+# What a command prints when its write was refused for want of room (strerror(ENOSPC)); the
+# trial's folder says DISK_FULL when its scratch disk (the container's writable layer, /tmp)
+# was then below FULL_BELOW_BYTES free: another user, or a neighbour trial, filled the node's
+# disk, and a reward below the full one is not the policy's doing.
+ENOSPC_TEXT = b"No space left on device"
+FULL_BELOW_BYTES = 16 << 20
+
+
+def disk_full(where: str, free_bytes: int) -> str:
+    return (
+        f"its scratch disk was full ({free_bytes >> 20} MB free in {where}) while a command "
+        "wrote (No space left on device): a reward below 1 is not the agent's; "
+        "`resubmit --failed` runs the attempt again"
+    )
+
+
+DISK_FULL_PREFIX = "its scratch disk was full"
+
+
 def node_network(problem: str) -> str:
     return (
         f"shares the node's network (its ports, its loopback services), not one of its own: "

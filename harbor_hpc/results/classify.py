@@ -43,7 +43,7 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.limits import RENAME_REFUSED, read_limits
+from harbor_hpc.apptainer.limits import DISK_FULL_PREFIX, RENAME_REFUSED, read_limits
 from harbor_hpc.results.calls import ModelCalls, read_calls
 
 if TYPE_CHECKING:
@@ -235,9 +235,15 @@ def outcome_of_result(
     - the agent could not start in the image (a tool it runs, `tmux: command not found`):
       the image's (`image`);
     - a directory rename its unpacked root refused, with a reward below 1: `unsupported`;
+    - a write refused while its scratch disk was full, and the trial failed or scored below 1:
+      `infrastructure`, whatever failed then (the agent's write, the verifier's upload);
     - no reward at all: none to learn from (its failure stands).
     """
     outcome = replace(_outcome_of_result(result), limits=tuple(limits))
+    full = next((limit for limit in limits if limit.startswith(DISK_FULL_PREFIX)), None)
+    if full is not None and (outcome.failure is not None or not (outcome.reward or 0) >= 1):
+        # Whatever then failed (the agent's write, the verifier's upload) failed for the node.
+        return replace(outcome, failure=FailureClass.INFRASTRUCTURE, message=full, valid=False)
     if outcome.failure not in (None, FailureClass.AGENT, FailureClass.TIMEOUT):
         return outcome
     why = _not_the_policys(outcome, limits, calls)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -138,3 +139,40 @@ def test_convert_into_a_full_store(tiny_image: TinyImage, tmp_path: Path) -> Non
         assert converted.returncode == 0, converted.stderr
         assert json.loads(converted.stdout)["converted"] == 1
         assert debris(disk) == []
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_a_trial_whose_scratch_disk_fills_up_is_never_a_trainable_zero(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """Another user fills the node's scratch disk while the agent works: its answer cannot be
+    written, the verifier gives 0, and that zero is the node's (infrastructure, for
+    `resubmit`), never one a trainer learns from."""
+    from tests.support.sample_tasks import make_task as make_sample_task
+
+    make_sample_task(tmp_path / "tasks", "answer", kind="marks_then_pauses", image=str(debian_sif))
+    run_dir = tmp_path / "run"
+    with small_disk(tmp_path, megabytes=64) as disk:
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "harbor_hpc", "submit", str(tmp_path / "tasks"), "--agent",
+             "oracle", "--run-dir", str(run_dir), "--executor", "local", "--scratch-dir",
+             str(disk), "--wait"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            while not list(disk.glob("**/tmp/started")) and time.monotonic() < deadline:
+                assert waiting.poll() is None, waiting.communicate()
+                time.sleep(0.2)
+            fill(disk)  # before it writes its answer
+            _, err = waiting.communicate(timeout=300)
+        finally:
+            waiting.kill()
+    assert waiting.returncode == 1, err
+    (status,) = json.loads(harbor_hpc("status", str(run_dir), "--json", tmp_path=tmp_path).stdout)
+    assert (status["state"], status["failure"], status["trainable"]) == (
+        "failed", "infrastructure", False,
+    ), status  # fmt: skip
+    assert status["message"].startswith("its scratch disk was full"), status
+    assert status["reward"] in (None, 0.0)  # the verifier gave 0, or could not even start

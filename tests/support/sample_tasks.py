@@ -40,6 +40,8 @@ SOLVE = {
     "lingering": "sleep 25\necho 42 > /tmp/answer\n",
     # Solves after a pause in which a test can do something to the run (fill its disk).
     "pausing": "sleep 8\necho 42 > /tmp/answer\n",
+    # The same, saying first in its /tmp (on the node's scratch disk) that it has started.
+    "marks_then_pauses": "touch /tmp/started\nsleep 8\necho 42 > /tmp/answer\n",
     # Solves only when the agent was given the secret its run passed with --agent-env.
     "secret": '[ "$HH_TEST_SECRET" = s3cr3t-2f9a ] && echo 42 > /tmp/answer\n',
     # Solves by renaming a new directory into an image's folder, as dpkg installs one (which
