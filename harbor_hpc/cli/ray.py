@@ -67,8 +67,9 @@ def up(
         typer.Option(
             "--mem-per-node",
             min=0,
-            help="MB of memory the job asks of each node (0: all of it). [default: half the "
-            "partition's biggest node, leaving room for the batches beside it]",
+            help="MB of memory the job asks of each node (0: all of it). [default: the "
+            "site's default memory for jobs (DefMemPerCPU), else half the partition's biggest "
+            "node, leaving room for the batches beside it]",
         ),
     ] = None,
     ray_nodes_per_node: Annotated[

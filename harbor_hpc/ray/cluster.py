@@ -94,8 +94,8 @@ class UpOptions:
     placement: SlurmPlacement
     cpus_per_node: int | None = None
     # The memory the job asks of each Slurm node, in MB (0: all of it, as Slurm reads
-    # --mem=0); None: half the partition's biggest node, leaving the rest to the batches
-    # beside it (`memory_per_node`).
+    # --mem=0); None: the site's default, else half the partition's biggest node, leaving the
+    # rest to the batches beside it (`memory_per_node`).
     mem_mb_per_node: int | None = None
     # Ray nodes on each Slurm node: several make a multi-node Ray cluster of one machine (each
     # with its own node id and temporary folder), for tests or a fleet of small nodes.
@@ -292,7 +292,9 @@ def up(
         )
         log = cluster_dir / f"job-{job_id}.log"
         mem = options.mem_mb_per_node
-        asked = "all its memory" if mem == 0 else f"{mem} MB" if mem else "Slurm's default memory"
+        asked = (
+            "all its memory" if mem == 0 else f"{mem} MB" if mem else "the site's default memory"
+        )
         say(
             f"Slurm job {job_id}: {options.ray_nodes} Ray node(s), {asked} a node "
             f"(--mem-per-node), log in {log}; waiting"
@@ -325,15 +327,24 @@ def up(
 
 
 def memory_per_node(options: UpOptions) -> int | None:
-    """What the job asks of each node, in MB: the option, else half the partition's biggest
-    node (a job that asks for none gets every node's whole memory where Slurm counts it, and
-    a batch beside it then waits for the cluster's end); None where sinfo does not say."""
+    """What the job asks of each node, in MB: the option; else, where the site gives jobs no
+    default memory (DefMemPerCPU, DefMemPerNode), half the partition's biggest node: a job that
+    asks for none then gets every node's whole memory where Slurm counts it, and a batch beside
+    it waits for the cluster's end. None: Slurm's default, the site's."""
     if options.mem_mb_per_node is not None:
         return options.mem_mb_per_node
     from harbor_hpc.slurm import cluster as slurm  # submitit loads when Slurm is asked
 
+    config = slurm.config()
+    if any(_set(config.get(key)) for key in ("DefMemPerCPU", "DefMemPerNode")):
+        return None
     limits = slurm.partition_limits(options.placement.partition)
     return limits.mem_mb // 2 if limits is not None and limits.mem_mb > 1 else None
+
+
+def _set(value: str | None) -> bool:
+    """A memory default of `scontrol show config` that is one (not UNLIMITED, 0, or absent)."""
+    return bool(value) and value not in ("UNLIMITED", "0")
 
 
 # Slurm's reasons for a job that asks for more than its partition, QOS or account gives: it may

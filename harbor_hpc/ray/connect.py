@@ -50,7 +50,9 @@ def cluster_address(ray_address: str | None, cluster_dir: Path | None) -> tuple[
         return os.environ["RAY_ADDRESS"], None
     raise EnvironmentHostUnavailable(
         f"no Ray cluster to run environments on: none in {folder} and no RAY_ADDRESS; start "
-        "one with `harbor-hpc ray up`, or pass the environment kwarg ray_address"
+        "one with `harbor-hpc ray up` (or, where it was, ended: up again), or pass the "
+        "environment kwarg ray_cluster_dir (the folder `ray up --cluster-dir` used) or "
+        "ray_address"
     )
 
 

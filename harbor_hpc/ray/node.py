@@ -66,16 +66,17 @@ def use_token(env: MutableMapping[str, str], cluster_dir: Path) -> None:
 
 
 def _memory_share() -> list[str]:
-    """With several Ray nodes on one Slurm node, each node's share of its memory (the job's
-    --mem, else the machine's), split about as Ray splits a node's by default (7/10 for tasks
-    and actors, 3/10 for objects): each would otherwise offer all of it, and Ray would place on
-    the machine several times what it has."""
+    """Each Ray node's share of the memory its Slurm node gives the job (its --mem, else the
+    machine's), split about as Ray splits a node's by default (7/10 for tasks and actors, 3/10
+    for objects): Ray would otherwise offer the machine's whole memory (where the job holds
+    less, it would place more than the job's cgroup allows), or, with several Ray nodes on one
+    Slurm node, each would offer all of it."""
     # A count, as `ray up` asks with --ntasks-per-node; anything else counts as one.
     value = os.environ.get("SLURM_NTASKS_PER_NODE", "1")
     tasks = int(value) if value.isdigit() else 1
-    if tasks <= 1:
-        return []
     mem_mb = os.environ.get("SLURM_MEM_PER_NODE")
+    if tasks <= 1 and not mem_mb:
+        return []
     total = int(mem_mb) << 20 if mem_mb else psutil.virtual_memory().total
     return [
         f"--memory={total * 7 // 10 // tasks}",

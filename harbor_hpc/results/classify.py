@@ -44,7 +44,7 @@ from harbor_hpc.apptainer.errors import (
     UnsupportedTask,
 )
 from harbor_hpc.apptainer.limits import DISK_FULL_PREFIX, RENAME_REFUSED, read_limits
-from harbor_hpc.results.calls import ModelCalls, read_calls
+from harbor_hpc.results.calls import CallEnd, ModelCalls, read_calls
 
 if TYPE_CHECKING:
     from harbor.models.trial.error_policy import ErrorPolicy
@@ -273,6 +273,13 @@ def _not_the_policys(
     timed_out = outcome.failure is FailureClass.TIMEOUT
     answered = len(calls.answered) if calls is not None else None
     if calls is not None and timed_out and (cut := calls.cut_off) is not None:
+        failed = [call for call in calls.calls if call.end is CallEnd.FAILED]
+        if failed:  # the agent retried an erring server until its time ran out
+            return FailureClass.MODEL, (
+                f"the model server failed {len(failed)} of the agent's {len(calls.calls)} "
+                f"calls ({answered} answered; the last said {calls.last_error}) until the "
+                "agent's time ran out: the server's, not the policy's"
+            )
         return FailureClass.MODEL, (
             f"the agent's time ran out while it waited {cut.seconds:.0f} s on the model server "
             f"for an answer (call {calls.calls.index(cut) + 1}; {answered} answered before): "

@@ -243,7 +243,8 @@ def run_rollouts(
 async def stream_rollouts(
     request: RolloutRequest, *, progress: ProgressCallback | None = None
 ) -> AsyncGenerator[dict[str, Any]]:
-    """The lines of `run_rollouts`, each as soon as its attempt has ended, for a trainer's
+    """The lines of `run_rollouts`, each group's (a task's attempts) as soon as its last
+    attempt has ended, every line with its group's final verdict, for a trainer's
     event loop (the waiting happens in a thread; `progress` is called from it). Leaving the
     loop early cancels what has not finished."""
     loop = asyncio.get_running_loop()
@@ -329,7 +330,8 @@ def follow_rollouts(
                 cancelled = True
                 break
         if cancelled:  # the lines of what the deadline stopped, once it has ended
-            yield _new_lines(run_dir, _settle(run_dir, progress), reported, request.format)
+            settled = _settle(run_dir, progress)
+            yield _new_lines(run_dir, settled, reported, request.format, whole_groups=False)
     finally:
         if not (finished or cancelled):  # the caller stopped early: the rest is not wanted
             cancel_run(run_dir)
@@ -343,16 +345,30 @@ def _in_python_words[T](statuses: Iterator[T]) -> Iterator[T]:
 
 
 def _new_lines(
-    run_dir: Path, status: RunStatus, reported: set[tuple[str, int]], fmt: ExportFormat | str
+    run_dir: Path,
+    status: RunStatus,
+    reported: set[tuple[str, int]],
+    fmt: ExportFormat | str,
+    *,
+    whole_groups: bool = True,
 ) -> list[dict[str, Any]]:
-    """The lines (those that count) of the attempts that ended since those in `reported`,
-    which they join."""
+    """The lines (those that count) of the groups (a task's attempts) whose every attempt has
+    ended, less those in `reported`, which they join: each line carries its group's final
+    verdict (`group_trainable`), even where a trainer format leaves an untrainable member out.
+    Without `whole_groups` (the batch's last look, after a cancel), whatever has ended."""
     ended = [
         s
         for s in status.attempts
         if s.state in (AttemptState.DONE, AttemptState.FAILED)
         and (s.task, s.attempt) not in reported
     ]
+    if whole_groups:
+        waiting = {
+            s.task
+            for s in status.attempts
+            if s.state in (AttemptState.PENDING, AttemptState.RUNNING)
+        }
+        ended = [s for s in ended if s.task not in waiting]
     reported.update((s.task, s.attempt) for s in ended)
     lines = rollout_lines(run_dir, ended, fmt=fmt, groups=status.attempts)[0] if ended else []
     return [line for line in lines if line.get("counts", True)]
@@ -383,6 +399,8 @@ _COMMANDS = {
     "`harbor-hpc doctor`": "`harbor-hpc doctor` (a command)",
 }
 _FLAG = re.compile(r"--([a-z][a-z-]*)")
+# Flags whose field has another name.
+_FLAG_FIELDS = {"mem": "mem_mb", "time": "time_min", "sbatch_arg": "sbatch_args"}
 
 
 def _field(match: re.Match[str]) -> str:
@@ -390,6 +408,7 @@ def _field(match: re.Match[str]) -> str:
     to run it) as it is."""
     names = {f.name for f in fields(RolloutRequest)}
     name = match.group(1).replace("-", "_")
+    name = _FLAG_FIELDS.get(name, name)
     if name.startswith("no_") and name[3:] in names:  # --no-model-check
         return f"{name[3:]}=False"
     for candidate in (name, f"{name}s"):  # --agent-kwarg: agent_kwargs

@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from harbor_hpc.core.cluster_name import slurm_cluster_name
-from harbor_hpc.slurm.cluster import job_state, partition_limits
+from harbor_hpc.ray.cluster import UpOptions, job_script, memory_per_node
+from harbor_hpc.slurm.cluster import SlurmPlacement, job_state
 from tests.support.cli import cli, cli_json
 from tests.support.users import other_user_command
 
@@ -117,21 +118,19 @@ def test_up_prints_the_address_and_keeps_the_token_private(
             continue  # a process that ended, or another user's
 
 
-def test_the_job_asks_for_half_a_node_of_memory_by_default_and_says_so(
+def test_the_job_asks_for_the_memory_it_was_given_and_says_so(
     started: tuple[dict[str, Any], subprocess.CompletedProcess[str]], cluster_dir: Path
 ) -> None:
-    """Without --mem the job held every node's whole memory where Slurm counts it, and a batch
-    beside it waited (Resources) for the cluster's end."""
+    """Without --mem, where the site sets no default memory, the job held every node's whole
+    memory, and a batch beside it waited (Resources) for the cluster's end. The test cluster
+    sets DefMemPerCPU: the site's default, said so; `--mem-per-node` is asked as given."""
     cluster, up = started
-    limits = partition_limits(os.environ.get("HARBOR_HPC_TEST_SLURM_PARTITION"))
-    assert limits is not None
-    assert cluster["mem_mb_per_node"] == limits.mem_mb // 2
-    assert f"#SBATCH --mem={limits.mem_mb // 2}M" in (cluster_dir / "job.sh").read_text()
-    assert f"{limits.mem_mb // 2} MB a node (--mem-per-node)" in up.stderr
-    shown = subprocess.run(
-        ["scontrol", "show", "job", cluster["job_id"]], capture_output=True, text=True
-    ).stdout
-    assert f"MinMemoryNode={limits.mem_mb // 2}M" in shown, shown
+    assert cluster["mem_mb_per_node"] is None
+    assert "the site's default memory a node (--mem-per-node)" in up.stderr
+    assert "--mem=" not in (cluster_dir / "job.sh").read_text()
+    options = UpOptions(nodes=1, placement=SlurmPlacement(), mem_mb_per_node=3000)
+    assert "#SBATCH --mem=3000M" in job_script(cluster_dir, options)
+    assert memory_per_node(options) == 3000
 
 
 def test_a_folder_of_another_slurm_clusters_ray_cluster_is_never_overwritten(
