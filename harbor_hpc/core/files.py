@@ -18,7 +18,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -203,6 +203,16 @@ def atomic_copy(source: Path, path: Path) -> None:
     with _replacing(path) as (fd, tmp):
         shutil.copyfile(source, tmp)
         os.fchmod(fd, 0o666 & ~_umask())
+
+
+def atomic_write_chunks(path: Path, chunks: Iterable[bytes], *, mode: int) -> None:
+    """Replace `path` with `chunks`, written as they come (a file larger than memory), in one
+    rename; nothing replaces it when the chunks' making raises."""
+    with _replacing(path) as (fd, _):
+        for chunk in chunks:
+            _write_all(fd, chunk)
+        os.fsync(fd)
+        os.fchmod(fd, mode)
 
 
 def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:

@@ -308,14 +308,18 @@ def _not_the_policys(
     return None
 
 
-def _outcome_of_result(result: dict[str, Any]) -> Outcome:
-    verifier = result.get("verifier_result") or {}
-    raw_rewards = verifier.get("rewards") or {}
-    rewards = {
+def rewards_of(result: dict[str, Any]) -> dict[str, float]:
+    """The verifier's rewards in a parsed result.json (numbers only)."""
+    raw = (result.get("verifier_result") or {}).get("rewards") or {}
+    return {
         str(key): float(value)
-        for key, value in raw_rewards.items()
+        for key, value in raw.items()
         if isinstance(value, int | float) and not isinstance(value, bool)
     }
+
+
+def _outcome_of_result(result: dict[str, Any]) -> Outcome:
+    rewards = rewards_of(result)
     reward = primary_reward(rewards)
     info = result.get("exception_info")
     if info:

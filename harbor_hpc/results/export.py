@@ -36,14 +36,15 @@ from __future__ import annotations
 import errno
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError, InputError, choice, from_os_error
-from harbor_hpc.core.files import atomic_write_text, read_json
-from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_trial
+from harbor_hpc.core.files import atomic_write_chunks, read_json
+from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_trial, rewards_of
 from harbor_hpc.results.record import RunPaths, RunRecord, load_run, read_markers, run_umask
 from harbor_hpc.results.rollout import Rollout, Sequence, rollout
 from harbor_hpc.results.status import AttemptStatus, trial_outcome
@@ -82,43 +83,50 @@ def group_verdicts(record: RunRecord, statuses: list[AttemptStatus]) -> dict[str
     return verdicts
 
 
-def collect_rollouts(
+def iter_rollouts(
     run_dir: Path,
     record: RunRecord,
     statuses: list[AttemptStatus],
     groups: list[AttemptStatus] | None = None,
-) -> list[Rollout]:
+) -> Iterator[Rollout]:
     """Every trial of the attempts in `statuses` that left a result.json, oldest first, then
-    every attempt `statuses` reports failed without one; each line's group judged on `groups`
-    (the run's statuses; default `statuses`)."""
+    every attempt `statuses` reports failed without one, one at a time; each line's group
+    judged on `groups` (the run's statuses; default `statuses`). A trial a status counts is
+    judged as that status judged it (its folder is read once more, for the line alone)."""
     paths = RunPaths(run_dir)
     verdicts = group_verdicts(record, statuses if groups is None else groups)
-    counted = {s.trial for s in statuses if s.trial is not None}
+    counted = {s.trial: s for s in statuses if s.trial is not None}
     attempts = {(s.task, s.attempt) for s in statuses}
-    rollouts: list[Rollout] = []
     seen: set[str] = set()
     for marker in read_markers(run_dir):
         if (marker.task, marker.attempt) not in attempts:
             continue
         trial_dir = paths.trial(marker.trial)
-        if not (trial_dir / "result.json").is_file():
-            continue
         try:
             result = read_json(trial_dir / "result.json")
         except HarborHpcError:
-            continue  # its attempt's status says so, and gets a line below when it counts
-        outcome = trial_outcome(marker, outcome_of_trial(trial_dir, result))
-        rollouts.append(
-            rollout(
-                record,
-                task=marker.task,
-                attempt=marker.attempt,
-                trial_dir=trial_dir,
-                result=result,
-                outcome=outcome,
-                counts=marker.trial in counted,
-                group_trainable=verdicts.get(marker.task),
+            continue  # none, or unreadable: its attempt's status says so, and gets a line below
+        status = counted.get(marker.trial)
+        if status is not None and status.state in (AttemptState.DONE, AttemptState.FAILED):
+            outcome = Outcome(
+                status.failure,
+                status.message,
+                status.reward,
+                rewards_of(result),
+                valid=status.trainable,
+                limits=tuple(status.limits),
             )
+        else:
+            outcome = trial_outcome(marker, outcome_of_trial(trial_dir, result))
+        yield rollout(
+            record,
+            task=marker.task,
+            attempt=marker.attempt,
+            trial_dir=trial_dir,
+            result=result,
+            outcome=outcome,
+            counts=status is not None,
+            group_trainable=verdicts.get(marker.task),
         )
         seen.add(marker.trial)
     for status in statuses:
@@ -126,38 +134,33 @@ def collect_rollouts(
             outcome = Outcome(
                 status.failure, status.message, status.reward, {}, limits=tuple(status.limits)
             )
-            rollouts.append(
-                rollout(
-                    record,
-                    task=status.task,
-                    attempt=status.attempt,
-                    trial_dir=None if status.trial is None else paths.trial(status.trial),
-                    result={},
-                    outcome=outcome,
-                    counts=True,
-                    group_trainable=verdicts.get(status.task),
-                )
+            yield rollout(
+                record,
+                task=status.task,
+                attempt=status.attempt,
+                trial_dir=None if status.trial is None else paths.trial(status.trial),
+                result={},
+                outcome=outcome,
+                counts=True,
+                group_trainable=verdicts.get(status.task),
             )
-    return rollouts
 
 
-def _check_tokens(
-    run_dir: Path, record: RunRecord, rollouts: list[Rollout], fmt: ExportFormat
-) -> None:
-    if record.agent_kwargs.get(TOKENS_KWARG) is True:
-        missing = [r.line["trial"] for r in rollouts if r.line["trainable"] and r.missing_tokens]
-        if missing:
-            raise HarborHpcError(
-                f"{run_dir}: the run asked for token ids ({TOKENS_KWARG}=true) but "
-                f"{len(missing)} trial(s) have model calls without them: {', '.join(missing)}",
-                hint="the model server must send them (vLLM's OpenAI server does, asked with "
-                "return_token_ids); nothing was written",
-            )
-    elif fmt is not ExportFormat.FULL:
+def _refuse_tokenless_format(run_dir: Path, record: RunRecord, fmt: ExportFormat) -> None:
+    if record.agent_kwargs.get(TOKENS_KWARG) is not True and fmt is not ExportFormat.FULL:
         raise InputError(
             f"{run_dir}: the run did not collect token ids, which --format {fmt} is made of",
             hint=f"export --format full, or submit again with --agent-kwarg {TOKENS_KWARG}=true",
         )
+
+
+def _tokens_missing(run_dir: Path, missing: list[str]) -> HarborHpcError:
+    return HarborHpcError(
+        f"{run_dir}: the run asked for token ids ({TOKENS_KWARG}=true) but "
+        f"{len(missing)} trial(s) have model calls without them: {', '.join(missing)}",
+        hint="the model server must send them (vLLM's OpenAI server does, asked with "
+        "return_token_ids); nothing was written",
+    )
 
 
 def _text(content: Any) -> str:
@@ -313,6 +316,35 @@ class Export:
         }
 
 
+def _lines(
+    run_dir: Path,
+    statuses: list[AttemptStatus],
+    fmt: ExportFormat,
+    groups: list[AttemptStatus] | None,
+    left_out: Counter[str],
+) -> Iterator[dict[str, Any]]:
+    """The lines of `rollout_lines`, one rollout at a time; `left_out` counts what a trainer
+    format leaves out. A trainable trial without the token ids its run asked for ends it (after
+    the last line: every such trial named)."""
+    record = load_run(run_dir)
+    _refuse_tokenless_format(run_dir, record, fmt)
+    asked = record.agent_kwargs.get(TOKENS_KWARG) is True
+    missing: list[str] = []
+    for r in iter_rollouts(run_dir, record, statuses, groups):
+        if asked and r.line["trainable"] and r.missing_tokens:
+            missing.append(str(r.line["trial"]))
+        if fmt is ExportFormat.FULL:
+            yield r.line
+            continue
+        why = _why_left_out(r, fmt)
+        if why is None:
+            yield from _trainer_lines(r, fmt)
+        else:
+            left_out[why] += 1
+    if missing:
+        raise _tokens_missing(run_dir, missing)
+
+
 def rollout_lines(
     run_dir: Path,
     statuses: list[AttemptStatus],
@@ -326,20 +358,8 @@ def rollout_lines(
     some of them; default `statuses`). `fmt` is an ExportFormat or its value; anything else is
     refused."""
     fmt = choice(ExportFormat, fmt, "format")
-    run_dir = run_dir.resolve()
-    record = load_run(run_dir)
-    rollouts = collect_rollouts(run_dir, record, statuses, groups)
-    _check_tokens(run_dir, record, rollouts, fmt)
-    if fmt is ExportFormat.FULL:
-        return [r.line for r in rollouts], {}
-    lines: list[dict[str, Any]] = []
     left_out: Counter[str] = Counter()
-    for r in rollouts:
-        why = _why_left_out(r, fmt)
-        if why is None:
-            lines += _trainer_lines(r, fmt)
-        else:
-            left_out[why] += 1
+    lines = list(_lines(run_dir.resolve(), statuses, fmt, groups, left_out))
     return lines, dict(left_out)
 
 
@@ -351,21 +371,33 @@ def export_run(
     fmt: ExportFormat | str = ExportFormat.FULL,
     dry_run: bool = False,
 ) -> Export:
-    """Write the run's rollouts to `out` (JSONL, atomically) in `fmt`, marking the lines
-    `statuses` count. The file is as private as the run: its owner's (0600), or with the run's
+    """Write the run's rollouts to `out` (JSONL, atomically, each line as it is made: a run of
+    tens of thousands of trials is never held whole) in `fmt`, marking the lines `statuses`
+    count. The file is as private as the run: its owner's (0600), or with the run's
     `--group-readable` also readable by the group (0640)."""
     fmt = choice(ExportFormat, fmt, "format")
-    lines, left_out = rollout_lines(run_dir, statuses, fmt=fmt)
-    if not dry_run:
-        text = "".join(json.dumps(line, default=str) + "\n" for line in lines)
-        mode = 0o666 & ~run_umask(load_run(run_dir).group_readable)
-        try:
-            atomic_write_text(out, text, mode=mode)
-        except OSError as exc:  # a full disk; --out a folder, or in one it cannot write
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise from_os_error(exc, out) or exc from None
-            raise InputError(
-                f"{out}: cannot write the rollouts ({exc.strerror})",
-                hint="give --out a file path in a folder you can write",
-            ) from None
-    return Export(out, fmt, len(lines), left_out, dry_run)
+    run_dir = run_dir.resolve()
+    left_out: Counter[str] = Counter()
+    written = 0
+
+    def encoded() -> Iterator[bytes]:
+        nonlocal written
+        for line in _lines(run_dir, statuses, fmt, None, left_out):
+            written += 1
+            yield (json.dumps(line, default=str) + "\n").encode()
+
+    if dry_run:
+        for _ in encoded():
+            pass
+        return Export(out, fmt, written, dict(left_out), dry_run)
+    mode = 0o666 & ~run_umask(load_run(run_dir).group_readable)
+    try:
+        atomic_write_chunks(out, encoded(), mode=mode)
+    except OSError as exc:  # a full disk; --out a folder, or in one it cannot write
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise from_os_error(exc, out) or exc from None
+        raise InputError(
+            f"{out}: cannot write the rollouts ({exc.strerror})",
+            hint="give --out a file path in a folder you can write",
+        ) from None
+    return Export(out, fmt, written, dict(left_out), dry_run)
