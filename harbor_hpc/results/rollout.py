@@ -30,6 +30,7 @@ out of time keeps its turns and its reward (Harbor still verifies it) and is mar
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -294,9 +295,24 @@ def _flat(found: list[Sequence] | None) -> dict[str, Any]:
 
 
 def _instruction(path: Path) -> str | None:
+    """The instruction at `path` as the agent got it (Harbor strips the canary); read once per
+    version of the file: every attempt of a task has the same."""
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return _read_instruction(path, info.st_mtime_ns, info.st_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _read_instruction(path: Path, mtime_ns: int, size: int) -> str | None:
     from harbor.models.task.task import strip_canary
 
-    return strip_canary(path.read_text()) if path.is_file() else None
+    try:
+        text: str = strip_canary(path.read_text())
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text
 
 
 def _step_record(task_dir: Path, trial_dir: Path, step: dict[str, Any]) -> dict[str, Any]:
