@@ -68,11 +68,6 @@ class ModelCalls:
         return [call for call in self.calls if call.end is CallEnd.ANSWERED]
 
     @property
-    def cut_off(self) -> Call | None:
-        """The call the agent was waiting on when it was stopped, if it was."""
-        return next((call for call in self.calls if call.end is CallEnd.CUT_OFF), None)
-
-    @property
     def without_tokens(self) -> list[Call]:
         """Answers that lack the token ids or log-probs their call asked for."""
         return [call for call in self.answered if call.tokens is False]

@@ -272,23 +272,31 @@ def _not_the_policys(
     policy's."""
     timed_out = outcome.failure is FailureClass.TIMEOUT
     answered = len(calls.answered) if calls is not None else None
-    if calls is not None and timed_out and (cut := calls.cut_off) is not None:
-        failed = [call for call in calls.calls if call.end is CallEnd.FAILED]
-        if failed:  # the agent retried an erring server until its time ran out
+    if (
+        calls is not None
+        and calls.calls
+        and timed_out
+        and calls.calls[-1].end is not CallEnd.ANSWERED
+    ):
+        # The agent's time ran out on the model server: waiting on a call, or between the
+        # retries of calls the server failed.
+        last, before = calls.calls[-1], calls.calls[-2] if len(calls.calls) > 1 else None
+        if last.end is CallEnd.CUT_OFF and (before is None or before.end is CallEnd.ANSWERED):
             return FailureClass.MODEL, (
-                f"the model server failed {len(failed)} of the agent's {len(calls.calls)} "
-                f"calls ({answered} answered; the last said {calls.last_error}) until the "
-                "agent's time ran out: the server's, not the policy's"
+                f"the agent's time ran out while it waited {last.seconds:.0f} s on the model "
+                f"server for an answer (call {len(calls.calls)}; {answered} answered before): "
+                "the server hung or was too slow, not the policy"
             )
+        failed = [call for call in calls.calls if call.end is CallEnd.FAILED]
         return FailureClass.MODEL, (
-            f"the agent's time ran out while it waited {cut.seconds:.0f} s on the model server "
-            f"for an answer (call {calls.calls.index(cut) + 1}; {answered} answered before): "
-            "the server hung or was too slow, not the policy"
+            f"the model server failed {len(failed)} of the agent's {len(calls.calls)} calls "
+            f"({answered} answered; the last said {calls.last_error}), and the agent's time ran "
+            "out retrying: the server's, not the policy's"
         )
-    if calls is not None and not answered and (timed_out or calls.calls):
-        last = f"; the last said {calls.last_error}" if calls.last_error else ""
+    if calls is not None and calls.calls and not answered:
+        said = f"; the last said {calls.last_error}" if calls.last_error else ""
         return FailureClass.MODEL, (
-            f"the model server answered none of the agent's {len(calls.calls)} call(s){last}"
+            f"the model server answered none of the agent's {len(calls.calls)} call(s){said}"
         )
     if calls is not None and (lacking := calls.without_tokens):
         return FailureClass.MODEL, (

@@ -74,8 +74,8 @@ def refuse_never_starting(alive: dict[str, str | None]) -> None:
     raise HarborHpcError(
         f"Slurm will never start job(s) {shown} ({reasons}: they ask for more than the "
         "partition, its nodes or your limits allow); cancelled them, their attempts failed",
-        hint="ask for less (--mem, --cpus, --time) or another --partition, then "
-        "`harbor-hpc resubmit` the run",
+        hint="ask for less (--mem, --cpus, --time, and what --sbatch-arg asks) or another "
+        "--partition, then `harbor-hpc resubmit` the run",
     )
 
 

@@ -55,6 +55,13 @@ CASES: dict[str, tuple[Fault | None, float, tuple[str, str | None, bool, float |
     "hang-mid": (Fault(after=1, hang=True), SHORT, ("failed", "model", False, 1.0)),
     "slower-than-the-agent": (Fault(after=1, delay_s=90), SHORT, ("failed", "model", False, 1.0)),
     "http-500": (Fault(status=500), LONG, ("failed", "model", False, None)),
+    # Errors after the solving reply, retried until the agent's time runs out: between two
+    # retries or in one, the server's.
+    "http-500-till-the-time-runs-out": (
+        Fault(after=1, status=500),
+        SHORT,
+        ("failed", "model", False, 1.0),
+    ),
     "http-429": (Fault(status=429), LONG, ("failed", "model", False, None)),
     "closes-mid-answer": (Fault(close=True), LONG, ("failed", "model", False, None)),
     "not-json": (Fault(malformed=True), LONG, ("failed", "model", False, None)),

@@ -30,6 +30,7 @@ from harbor_hpc.apptainer.errors import (
     UnsupportedTask,
     error_policy_overrides,
 )
+from harbor_hpc.results.calls import Call, CallEnd, ModelCalls
 from harbor_hpc.results.classify import (
     FailureClass,
     failure_class,
@@ -205,3 +206,37 @@ def test_an_agent_that_cannot_start_in_the_image_is_the_images(tmp_path: Path) -
     outcome = outcome_of_result(harbor_result(tmp_path, exception=RuntimeError(said)))
     assert (outcome.failure, outcome.trainable) == ("image", False)
     assert outcome.message is not None and "tmux is not in it" in outcome.message
+
+
+def recorded_calls(*ends: str, error: str = "InternalServerError: scripted fault") -> ModelCalls:
+    """A trial's model-calls.json as the worker writes it, one call per end given."""
+    return ModelCalls(
+        [
+            Call("2026-11-29T03:59:00+00:00", 1.0, CallEnd(end), error if end == "failed" else None)
+            for end in ends
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("ends", "said"),
+    [
+        # A new user's trial: answered, then 500s, the time running out between two retries.
+        (("answered", "failed", "failed", "failed", "failed", "failed"), "failed 5 of the"),
+        # ... or in a retry's call.
+        (("answered", "failed", "failed", "cut_off"), "failed 2 of the agent's 4 calls"),
+        (("answered", "cut_off"), "waited 1 s on the model server"),
+        (("cut_off",), "waited 1 s on the model server"),
+    ],
+)
+def test_an_agent_whose_time_ran_out_on_the_model_server_is_never_trainable(
+    tmp_path: Path, ends: tuple[str, ...], said: str
+) -> None:
+    timeout = AgentTimeoutError("Agent execution timed out after 23.0 seconds")
+    result = harbor_result(tmp_path, rewards={"reward": 1}, exception=timeout)
+    outcome = outcome_of_result(result, calls=recorded_calls(*ends))
+    assert (outcome.failure, outcome.trainable, outcome.reward) == ("model", False, 1.0)
+    assert outcome.message is not None and said in outcome.message, outcome.message
+    # Its time ran out in the agent's own work after the last answer: the policy's.
+    policys = outcome_of_result(result, calls=recorded_calls("answered", "failed", "answered"))
+    assert (policys.failure, policys.trainable) == ("timeout", True)
