@@ -218,3 +218,26 @@ def test_status_says_why_an_attempt_waits_once_it_has_waited_a_minute(
         assert Progress.of(run_status(run_dir)).waiting == f"{why} (1)"
     finally:
         cancel_run(run_dir)
+
+
+def test_a_server_that_refuses_every_connection_is_named_and_never_trainable(
+    debian_sif: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A policy server that went down before the batch (nothing listens at api_base; the check
+    before the batch skipped): every call is refused, the trial is the server's."""
+    monkeypatch.setenv("OPENAI_API_KEY", "scripted-test-key")
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    # Whether litellm's retries give up first or the agent's time runs out in them: the server's.
+    make_task(tmp_path / "tasks", "answer", image=str(debian_sif), agent_timeout_sec=SHORT)
+    with ScriptedLLM(SCRIPT) as gone:  # a port that was a server's, now closed
+        args = agent_args(gone)
+    cli(
+        "submit", str(tmp_path / "tasks"), *args, "--run-dir", str(tmp_path / "run"),
+        "--executor", "local", "--no-model-check", "--wait", check=False,
+    )  # fmt: skip
+    (status,) = cli_json("status", str(tmp_path / "run"))
+    assert (status["state"], status["failure"], status["trainable"]) == (
+        "failed", "model", False,
+    ), status  # fmt: skip
+    (line,) = export(tmp_path / "run", "full", tmp_path)
+    assert (line["trainable"], line["group_trainable"]) == (False, False)
