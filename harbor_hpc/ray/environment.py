@@ -57,6 +57,7 @@ from harbor_hpc.ray.host import (
     pack,
     unpack,
 )
+from harbor_hpc.results.record import say_waiting
 
 # How long a call may go unanswered before its host is probed, and how long the probe may
 # take: a lost node or a dead host is Ray's news at once (its calls fail); the probe is for a
@@ -437,6 +438,16 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         from ray.util.placement_group import placement_group, placement_group_table
 
         bundle = self._bundle()
+        labels = f" with labels {self._ray_labels}" if self._ray_labels else ""
+        biggest = await asyncio.to_thread(_biggest_node, self._ray_labels)
+        if biggest is not None and any(biggest.get(k, 0.0) < v for k, v in bundle.items()):
+            raise EnvironmentHostUnavailable(
+                f"task {self.environment_name}: no Ray node{labels} can ever hold {_said(bundle)}"
+                f": the biggest offers {_said(biggest)}; ask for less (ray_cpus, the task's "
+                "memory_mb) or bigger nodes (`harbor-hpc ray up --cpus-per-node`, "
+                "`--mem-per-node`)"
+            )
+        trial_dir = self.trial_paths.trial_dir
         try:
             # Each a call to the GCS, which may be slow or gone: never on the event loop.
             self._group = await asyncio.to_thread(
@@ -447,7 +458,16 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                     bundle_label_selector=[self._ray_labels] if self._ray_labels else None,
                 )
             )
-            await asyncio.wait_for(self._group.ready(), self._placement_timeout)
+            try:
+                await asyncio.wait_for(self._group.ready(), PLACED_SOON_SEC)
+            except TimeoutError:  # the others hold the nodes: say so while it waits
+                say_waiting(trial_dir, f"waiting for a Ray node{labels} with room for "
+                            f"{_said(bundle)}")  # fmt: skip
+                await asyncio.wait_for(
+                    self._group.ready(), max(0.0, self._placement_timeout - PLACED_SOON_SEC)
+                )
+            finally:
+                say_waiting(trial_dir, None)
             table = await asyncio.to_thread(placement_group_table, self._group)
             self._node_id = str(table["bundles_to_node_id"][0])
             self._host, self._node = await asyncio.to_thread(_host_on, self._node_id)
@@ -460,7 +480,6 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                 f"{_first_sentence(exc)}"
             ) from None
         except TimeoutError:
-            labels = f" with labels {self._ray_labels}" if self._ray_labels else ""
             raise EnvironmentHostUnavailable(
                 f"task {self.environment_name}: no Ray node{labels} had room for "
                 f"{bundle} within {self._placement_timeout:g} s; `harbor-hpc ray status` "
@@ -634,3 +653,42 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                     )
                 except Exception as exc:  # the cluster may be gone: nothing is held then
                     self.logger.debug("placement group not removed: %s", exc)
+
+
+# A placement not ready within this is waiting for room, which the trial's folder then says.
+PLACED_SOON_SEC = 2.0
+
+
+def _biggest_node(labels: dict[str, str]) -> dict[str, float] | None:
+    """The most CPUs and memory any alive node (with `labels`, Ray's selector) of the cluster
+    offers in all, whatever it holds now; None when Ray does not say (the placement then waits
+    as asked)."""
+    import ray
+
+    try:
+        known: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    except Exception:  # Ray's own RPC errors: the placement says more
+        return None
+    fitting = [
+        node
+        for node in known
+        if node.get("Alive")
+        and all(_label_matches(node.get("Labels") or {}, k, v) for k, v in labels.items())
+    ]
+    if not fitting:
+        return None  # Ray's own selector (with its `!`) judges labels it knows better
+    return {
+        key: max(float((node.get("Resources") or {}).get(key, 0.0)) for node in fitting)
+        for key in ("CPU", "memory")
+    }
+
+
+def _label_matches(have: dict[str, str], key: str, value: str) -> bool:
+    return have.get(key) != value[1:] if value.startswith("!") else have.get(key) == value
+
+
+def _said(resources: dict[str, float]) -> str:
+    """`1 CPU, 512 MB`."""
+    cpus = resources.get("CPU", 0.0)
+    memory = resources.get("memory", 0.0) / (1 << 20)
+    return f"{cpus:g} CPU" + (f", {memory:.0f} MB" if memory else "")

@@ -6,6 +6,8 @@ Layout of a run folder:
     trials/<trial>/       standard Harbor trial folders (result.json, trial.log, agent/, verifier/),
                           so `harbor view RUN_DIR --jobs` shows them as the job `trials`
     markers/<trial>.json  written by the worker when it starts a trial: task, attempt, job, host
+    trials/<trial>/waiting-for.txt  why a started trial waits before its container can start
+                          (no Ray node with room yet), while it does: `status` says so
     submitit/             submitit's pickles and the jobs' stdout/stderr
 
 The unit of work is a task attempt: `--attempts A` runs every task A times (for pass@k or RL
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError, InputError
-from harbor_hpc.core.files import atomic_write_json, file_lock, read_json
+from harbor_hpc.core.files import atomic_write_json, atomic_write_text, file_lock, read_json
 
 SCHEMA = "harbor-hpc/run/v1"
 RUN_FILE = "run.json"
@@ -357,6 +359,27 @@ def cancelled_through(run_dir: Path) -> int:
         return int(read_json(RunPaths(run_dir).cancel).get("through", 0))
     except (HarborHpcError, AttributeError, TypeError, ValueError):
         return 0  # none (or a foreign file): nothing cancelled
+
+
+WAITING_FILE = "waiting-for.txt"
+
+
+def say_waiting(trial_dir: Path, why: str | None) -> None:
+    """Say in the trial's folder why it waits (None: it no longer does)."""
+    path = trial_dir / WAITING_FILE
+    with contextlib.suppress(OSError):  # a note, not the trial's work
+        if why is None:
+            path.unlink(missing_ok=True)
+        else:
+            atomic_write_text(path, why + "\n")
+
+
+def waiting_for(trial_dir: Path) -> str | None:
+    """Why a started trial waits, where it said so."""
+    try:
+        return (trial_dir / WAITING_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def new_trial_name(task: str, attempt: int) -> str:

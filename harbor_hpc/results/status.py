@@ -47,6 +47,7 @@ from harbor_hpc.results.record import (
     Unit,
     cancelled_through,
     read_markers,
+    waiting_for,
 )
 
 
@@ -193,7 +194,8 @@ def _status_of(
             )
     if fate is not None and fate.alive:
         if marker is not None:
-            return status(AttemptState.RUNNING)
+            waits = waiting_for(RunPaths(run_dir).trial(marker.trial))
+            return status(AttemptState.RUNNING, message=waits)
         waited = time.time() - _epoch(fate.submission.submitted_at)
         why = f"Slurm: {fate.reason}" if fate.reason and waited >= WAIT_TOLD_S else None
         return status(AttemptState.PENDING, message=why)
@@ -266,7 +268,8 @@ class Summary:
     failures: dict[str, int]
     mean_reward: float | None
     total: int
-    # Why pending attempts wait, counted: Slurm's reasons, once they have waited a minute.
+    # Why attempts wait, counted: Slurm's reasons, once they have waited a minute; a started
+    # trial's own (no Ray node with room yet).
     waiting: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -281,7 +284,8 @@ def summarize(statuses: list[AttemptStatus]) -> Summary:
     states = Counter(s.state for s in statuses)
     failures = Counter(s.failure for s in statuses if s.failure)
     rewards = [s.reward for s in statuses if s.state == AttemptState.DONE and s.reward is not None]
-    waiting = Counter(s.message for s in statuses if s.state == AttemptState.PENDING and s.message)
+    going = (AttemptState.PENDING, AttemptState.RUNNING)
+    waiting = Counter(s.message for s in statuses if s.state in going and s.message)
     return Summary(
         states={str(state): states.get(state, 0) for state in AttemptState},
         failures=dict(sorted(failures.items())),

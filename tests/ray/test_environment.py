@@ -233,11 +233,25 @@ async def main():
     whole = [make(f"cpu{i}", ray_cpus=1) for i in range(2)]
     await asyncio.gather(*(environment.start(False) for environment in whole))
     show(nodes=[environment.node_id for environment in whole])
-    third = make("third", ray_cpus=1, ray_placement_timeout_sec=2)
+    third = make("third", ray_cpus=1, ray_placement_timeout_sec=5)
+    note = third.trial_paths.trial_dir / "waiting-for.txt"
+
+    async def look():  # while it waits, its folder says why (status reads it)
+        await asyncio.sleep(3.5)
+        return note.read_text().strip() if note.exists() else None
+
+    waiting = asyncio.create_task(look())
     try:
         await third.start(False)
     except Exception as error:
-        show(error=f"{type(error).__name__}: {error}")
+        show(error=f"{type(error).__name__}: {error}", waiting=await waiting,
+             after=note.exists())
+    never = make("never", ray_cpus=3, ray_placement_timeout_sec=600)
+    began = time.monotonic()
+    try:
+        await never.start(False)
+    except Exception as error:
+        show(error=f"{type(error).__name__}: {error}", seconds=time.monotonic() - began)
     await asyncio.gather(*(environment.stop(True) for environment in whole))
     again = make("again", ray_cpus=1)
     await again.start(False)  # what the others held is free again
@@ -248,10 +262,18 @@ async def main():
 def test_placement_holds_the_tasks_cpus_and_says_when_no_node_has_room(
     ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
 ) -> None:
-    placed, refused = lines(drive(PLACED, debian_sif, tmp_path, ray_cluster["cluster_dir"]))
+    placed, refused, never = lines(drive(PLACED, debian_sif, tmp_path, ray_cluster["cluster_dir"]))
     assert len(set(placed["nodes"])) == 2  # a CPU each: one per node of one CPU
     assert refused["error"].startswith("EnvironmentHostUnavailable: task third: no Ray node")
-    assert "had room for {'CPU': 1.0, 'memory': 268435456.0} within 2 s" in refused["error"]
+    assert "had room for {'CPU': 1.0, 'memory': 268435456.0} within 5 s" in refused["error"]
+    assert refused["waiting"] == "waiting for a Ray node with room for 1 CPU, 256 MB"
+    assert refused["after"] is False  # said only while it waited
+    # More than any node offers in all: refused at once, not after its 600 s.
+    assert never["error"].startswith(
+        "EnvironmentHostUnavailable: task never: no Ray node can ever hold 3 CPU, 256 MB: "
+        "the biggest offers 1 CPU"
+    ), never
+    assert never["seconds"] < 30
 
 
 def test_unknown_kwargs_name_both_kinds_accepted(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.api import InputError, RolloutRequest, run_rollouts, run_status
+from harbor_hpc.api import InputError, Progress, RolloutRequest, run_rollouts, run_status
 from tests.ray.conftest import RayCluster
 from tests.support.sample_tasks import make_task
 
@@ -75,3 +75,30 @@ def test_rollouts_on_the_ray_cluster_are_a_run_like_any_other(
     assert config["environment"]["import_path"] == (
         "harbor_hpc.environment:RaySingularityEnvironment"
     )
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_progress_says_when_trials_wait_for_a_ray_node_with_room(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    """Three trials at once on two Ray nodes of one CPU, a whole CPU each: the third waits
+    for room, which progress says (it read `running=3` and nothing else)."""
+    for name in ("one", "two", "three"):
+        make_task(tmp_path / "tasks", name, kind="pausing", image=str(debian_sif))
+    seen: list[Progress] = []
+    lines = run_rollouts(
+        RolloutRequest(
+            tasks=tmp_path / "tasks",
+            run_dir=tmp_path / "run",
+            agent="oracle",
+            executor="ray",
+            environment_kwargs={"ray_cluster_dir": ray_cluster["cluster_dir"], "ray_cpus": 1},
+            concurrency=3,
+        ),
+        progress=seen.append,
+    )
+    assert sorted(line["reward"] for line in lines) == [1.0, 1.0, 1.0]
+    said = {progress.waiting for progress in seen if progress.waiting}
+    assert "waiting for a Ray node with room for 1 CPU, 512 MB (1)" in said, seen
