@@ -307,6 +307,30 @@ def file_lock(
         os.close(fd)
 
 
+def held_by_another(path: Path) -> bool:
+    """Whether another process holds `file_lock(path)` now (asked without taking it, or making
+    it): not this one, which the holder's `host:pid` in the file tells."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held = True
+    except OSError:
+        held = False
+    else:
+        held = False
+    finally:
+        os.close(fd)
+    if not held:
+        return False
+    with contextlib.suppress(OSError):
+        return path.read_text().strip() != f"{socket.gethostname()}:{os.getpid()}"
+    return True
+
+
 def _open_lock(path: Path, mode: int | None) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)

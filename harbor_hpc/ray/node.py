@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from types import FrameType
 
@@ -65,6 +65,19 @@ def use_token(env: MutableMapping[str, str], cluster_dir: Path) -> None:
     env["RAY_AUTH_TOKEN_PATH"] = str(cluster_dir / "token")
 
 
+def job_memory_mb(env: Mapping[str, str]) -> int | None:
+    """The memory the job holds on this node, in MB, as Slurm tells its steps: --mem
+    (SLURM_MEM_PER_NODE), else per CPU (--mem-per-cpu, or the site's DefMemPerCPU:
+    SLURM_MEM_PER_CPU) times the CPUs it holds here; None where Slurm says neither."""
+    per_node = env.get("SLURM_MEM_PER_NODE", "")
+    if per_node.isdigit():
+        return int(per_node)
+    per_cpu, cpus = env.get("SLURM_MEM_PER_CPU", ""), env.get("SLURM_CPUS_ON_NODE", "")
+    if per_cpu.isdigit() and cpus.isdigit():
+        return int(per_cpu) * int(cpus)
+    return None
+
+
 def _memory_share() -> list[str]:
     """Each Ray node's share of the memory its Slurm node gives the job (its --mem, else the
     machine's), split about as Ray splits a node's by default (7/10 for tasks and actors, 3/10
@@ -74,10 +87,10 @@ def _memory_share() -> list[str]:
     # A count, as `ray up` asks with --ntasks-per-node; anything else counts as one.
     value = os.environ.get("SLURM_NTASKS_PER_NODE", "1")
     tasks = int(value) if value.isdigit() else 1
-    mem_mb = os.environ.get("SLURM_MEM_PER_NODE")
-    if tasks <= 1 and not mem_mb:
+    mem_mb = job_memory_mb(os.environ)
+    if tasks <= 1 and mem_mb is None:
         return []
-    total = int(mem_mb) << 20 if mem_mb else psutil.virtual_memory().total
+    total = mem_mb << 20 if mem_mb is not None else psutil.virtual_memory().total
     return [
         f"--memory={total * 7 // 10 // tasks}",
         f"--object-store-memory={total * 3 // 10 // tasks}",

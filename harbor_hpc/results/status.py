@@ -29,7 +29,7 @@ from typing import Any
 
 from harbor_hpc.apptainer.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.files import read_json
+from harbor_hpc.core.files import held_by_another, read_json
 from harbor_hpc.results.classify import (
     AttemptState,
     FailureClass,
@@ -217,6 +217,8 @@ def _status_of(
     if fate is None:
         return status(failed, lost, "never submitted")
     if fate.job is None:
+        if held_by_another(RunPaths(run_dir).submit_lock):  # its jobs are being queued now
+            return status(AttemptState.PENDING)
         return status(failed, lost, "its submission failed before a job was queued")
     if cancelled >= fate.submission.number:
         return status(failed, lost, f"not started: {CANCELLED} stopped job {fate.job} first")

@@ -1,6 +1,8 @@
 import multiprocessing
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from harbor_hpc.core.files import (
     atomic_write_json,
     atomic_write_text,
     file_lock,
+    held_by_another,
     read_json,
 )
 
@@ -130,3 +133,26 @@ def test_a_lock_this_user_makes_gets_the_mode_asked(tmp_path: Path) -> None:
     with file_lock(lock, mode=0o664):
         pass
     assert stat.S_IMODE(lock.stat().st_mode) == 0o664
+
+
+def test_a_lock_held_by_another_process_is_seen_without_taking_it(tmp_path: Path) -> None:
+    """`status` asks whether a submit is queueing the run's jobs right now (its lock held),
+    never taking the lock nor making its file, and not counting its own process."""
+    lock = tmp_path / ".submit.lock"
+    assert not held_by_another(lock) and not lock.exists()
+    with file_lock(lock):
+        assert not held_by_another(lock)  # this process's own
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from harbor_hpc.core.files import file_lock\n"
+         "with file_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+         str(lock)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert held_by_another(lock)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not held_by_another(lock)

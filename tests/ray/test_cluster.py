@@ -174,9 +174,16 @@ def test_status_shows_the_node_and_its_free_resources(
         assert node["status"] in ("IDLE", "RUNNING")
         assert node["total"]["CPU"] == 1
         assert "token" not in {key.lower() for key in node}
-    # Two Ray nodes on one machine share its memory, not each offer all of it.
+    # Two Ray nodes on one machine share what the job holds there (the site's DefMemPerCPU
+    # times its CPUs), not each offer the machine's memory, which the job's cgroup would cut.
     offered = sum(node["total"]["memory"] + node["total"]["object_store_memory"] for node in nodes)
-    assert offered <= psutil.virtual_memory().total
+    shown_job = subprocess.run(
+        ["scontrol", "show", "job", cluster["job_id"]], capture_output=True, text=True
+    ).stdout
+    held = re.search(r"\bmem=(\d+)M", shown_job)
+    assert held is not None, shown_job
+    assert offered <= int(held.group(1)) << 20 <= psutil.virtual_memory().total
+    assert offered >= (int(held.group(1)) << 20) * 0.9
     shown = cli("ray", "status", "--cluster-dir", str(cluster_dir)).stdout
     assert cluster["address"] in shown and "(head)" in shown
 
