@@ -151,11 +151,14 @@ def attempt_statuses(
     fates = _job_fates(record, alive)
     newest = latest_markers(read_markers(run_dir))
     cancelled = cancelled_through(run_dir)  # read once: every never-started attempt asks
+    # A submit or resubmit queueing the run's jobs right now (its lock held): what it has not
+    # queued yet waits, it has not failed.
+    submitting = held_by_another(RunPaths(run_dir).submit_lock)
     statuses = []
     for unit in record.units():
         marker = newest.get(unit)
         fate = fates.get(unit)
-        statuses.append(_status_of(run_dir, record, unit, marker, fate, cancelled))
+        statuses.append(_status_of(run_dir, record, unit, marker, fate, cancelled, submitting))
     return statuses
 
 
@@ -166,8 +169,10 @@ def _status_of(
     marker: Marker | None,
     fate: _JobFate | None,
     cancelled: int,
+    submitting: bool,
 ) -> AttemptStatus:
-    """`cancelled`: the run's last cancelled submission (`cancelled_through`)."""
+    """`cancelled`: the run's last cancelled submission (`cancelled_through`); `submitting`:
+    another process is queueing the run's jobs now."""
     # A resubmission newer than the marker supersedes that trial: the unit runs again.
     if marker is not None and fate is not None and fate.submission.number > marker.submission:
         marker = None
@@ -214,11 +219,11 @@ def _status_of(
             lost,
             f"no result: job {marker.job} ended before the trial wrote result.json ({why})",
         )
+    if (fate is None or fate.job is None) and submitting:
+        return status(AttemptState.PENDING)
     if fate is None:
         return status(failed, lost, "never submitted")
     if fate.job is None:
-        if held_by_another(RunPaths(run_dir).submit_lock):  # its jobs are being queued now
-            return status(AttemptState.PENDING)
         return status(failed, lost, "its submission failed before a job was queued")
     if cancelled >= fate.submission.number:
         return status(failed, lost, f"not started: {CANCELLED} stopped job {fate.job} first")

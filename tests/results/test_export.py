@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -462,3 +464,26 @@ def test_every_line_says_whether_its_group_is_whole_and_trainable(tmp_path: Path
         ("waiting", 0): None,  # its other member has not ended
     }
     assert all(line["group_size"] == 2 for line in lines)
+
+
+def test_a_run_whose_jobs_are_being_queued_waits_it_has_not_failed(tmp_path: Path) -> None:
+    """Between run.json's first write and its jobs' ids, a trainer polling `run_status` read
+    every attempt `failed / infrastructure` (never submitted) for up to 200 ms."""
+    run = Run(tmp_path, ["a"])
+    record = load_run(run.dir)
+    (alone,) = attempt_statuses(run.dir, record, set())
+    assert (alone.state, alone.message) == ("failed", "never submitted")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from harbor_hpc.core.files import file_lock\n"
+         "with file_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(60)",
+         str(RunPaths(run.dir).submit_lock)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        (queueing,) = attempt_statuses(run.dir, record, set())
+        assert (queueing.state, queueing.failure) == ("pending", None)
+    finally:
+        holder.kill()
+        holder.wait()
