@@ -25,6 +25,8 @@ import psutil
 
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
 from harbor_hpc.apptainer.errors import ContainerDied, ContainerStartFailed
+from harbor_hpc.apptainer.holder import Holder, bind_targets
+from harbor_hpc.apptainer.runtime import DEFAULT_NO_MOUNT, task_container_command
 from harbor_hpc.apptainer.sif import ImageConfig, root_partition
 from harbor_hpc.apptainer.watchdog import (
     kill_processes,
@@ -70,12 +72,14 @@ def launcher(workdir: str) -> list[str]:
     return ["/bin/sh", "-c", LAUNCHER, "harbor-hpc-server", SERVER_DIR, workdir]
 
 
-def server_mounts(staging: Path, sif: Path) -> list[str]:
+def server_mounts(staging: Path, sif: Path | None) -> list[str]:
     """Apptainer's options mounting what a container's server needs: `staging` at /staging,
     and the image view in it (`staging`/.hh/image is its mount point) where `sif` is a SIF with
     a squashfs root (and a path a bind can name: no `:` or `,`)."""
     options = ["-B", f"{staging}:{STAGING}"]
-    partition = root_partition(sif) if not {":", ","} & set(str(sif)) else None
+    partition = None
+    if sif is not None and not {":", ","} & set(str(sif)):
+        partition = root_partition(sif)
     if partition is not None:
         options += ["-B", f"{sif}:{IMAGE_VIEW}:id={partition.id},image-src=/"]
     return options
@@ -106,8 +110,12 @@ class Container:
         self.name = name
         self.private = private
         self.sif = sif
-        # The image unpacked on the node's disk (roots.py), if it runs from there.
+        # The image unpacked on the node's disk (roots.py), the lower of its own root, if any.
         self.root: Path | None = None
+        # Its root, where it is an overlay of our own (holder.py): mounted in `holder`'s
+        # namespaces (set before its mounts are asked for: it needs no image view).
+        self.holder: Holder | None = None
+        self.merged: Path | None = None
         self.image = image
         self.logger = logger
         self.process: asyncio.subprocess.Process | None = None
@@ -154,12 +162,45 @@ class Container:
 
     @property
     def image_path(self) -> Path:
-        """What Apptainer runs: the unpacked root where there is one, else the .sif."""
-        return self.root or self.sif
+        """What Apptainer runs: its own root where it has one, else the .sif."""
+        return self.merged or self.sif
+
+    async def mount_root(self, options: Sequence[str]) -> None:
+        """Mount the container's root in its holder's namespaces: the image's unpacked root
+        (`root`) or its .sif as lower, with the mount points of the binds in `options`."""
+        assert self.holder is not None
+        self.merged = await self.holder.mount(
+            self.private / "root", self.sif, self.root, bind_targets(options)
+        )
+
+    def command(
+        self,
+        flags: Sequence[str],
+        workdir: str,
+        *,
+        own_network: bool,
+        options: Sequence[str],
+        no_mount: str = DEFAULT_NO_MOUNT,
+        net_of: int | None = None,
+    ) -> list[str]:
+        """The command starting the container's server in `workdir`: Apptainer with `flags`
+        (`run_flags`) and `options` on the .sif, or, in its holder's namespaces (and the network
+        namespace of host pid `net_of`), as root there on its own root."""
+        apptainer = task_container_command(
+            self.image_path,
+            () if self.holder else flags,
+            launcher(workdir),
+            overlay=None if self.holder else self.overlay,
+            own_network=own_network,
+            no_mount=no_mount,
+            options=options,
+        )
+        return [*self.holder.enter(net_of), *apptainer] if self.holder else apptainer
 
     def mounts(self) -> list[str]:
-        """Apptainer's options mounting what this container's server needs (`server_mounts`)."""
-        return server_mounts(self.staging, self.image_path)
+        """Apptainer's options mounting what this container's server needs (`server_mounts`);
+        its own root needs no image view: the kernel's overlay serves its files."""
+        return server_mounts(self.staging, None if self.holder else self.sif)
 
     async def launch(self, command: Sequence[str]) -> None:
         """Start `command` (which runs `launcher`) and wait for the server's greeting."""
@@ -423,7 +464,10 @@ class Container:
         # Taken before anything ends: Apptainer's FUSE helpers (squashfuse,
         # fuse-overlayfs) are its children until it exits, orphans after. Off the event
         # loop: a fleet stopping at once would hold it for seconds.
-        tree = [] if process is None else await asyncio.to_thread(whole_container, process.pid)
+        shared = self.holder.pid if self.holder is not None else None
+        tree = (
+            [] if process is None else await asyncio.to_thread(whole_container, process.pid, shared)
+        )
         if channel is not None and not channel.closed:
             cleanup = "rm -rf /staging/env_files /staging/xfer\n"
             if channel.uid == 0 and writable:

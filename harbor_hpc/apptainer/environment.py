@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import os
 import resource
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -54,7 +55,6 @@ from harbor_hpc.apptainer.container import (
     SERVER_DIR,
     STAGING,
     Container,
-    launcher,
 )
 from harbor_hpc.apptainer.egress import Egress
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
@@ -65,17 +65,15 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
+from harbor_hpc.apptainer.holder import Holder, HolderFailed, give_up, root_path
 from harbor_hpc.apptainer.limits import (
     AS_YOU,
     DISK_FULL_PREFIX,
     ENOSPC_TEXT,
-    EXDEV_TEXT,
     FULL_BELOW_BYTES,
     IN_MEMORY,
     ONE_ID,
-    RENAME_REFUSED,
     ROOT_MAPPED,
-    UNPACKED_ROOT,
     WRITABLE_TMPFS,
     disk_full,
     node_network,
@@ -94,15 +92,15 @@ from harbor_hpc.apptainer.network import (
 from harbor_hpc.apptainer.options import SingularityOptions
 from harbor_hpc.apptainer.pod import Sidecar, service_sif
 from harbor_hpc.apptainer.probes import install_problem, missing_subid_ranges, ran_out
-from harbor_hpc.apptainer.roots import WAIT_FOR_UNPACK_S, Lease, UnpackedRoots
+from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
 from harbor_hpc.apptainer.runtime import (
     DEFAULT_NO_MOUNT,
     OVERLAY_OFF,
     OVERLAY_OFF_FIX,
+    PATH_REFUSED,
     SANDBOX_REFUSED,
     refuses_overlay_folders,
     run_flags,
-    task_container_command,
     writes_in_memory,
 )
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
@@ -142,8 +140,8 @@ def _raise_soft_limits() -> None:
 
 # Variables every shell sets for itself: not something setup.sh chose to export.
 _SHELL_OWN = {"_", "PWD", "OLDPWD", "SHLVL"}
-# The logs a container run from an unpacked root leaves are searched for EXDEV's words up to
-# this size each (terminus-2's, its trajectory included, are a few MB).
+# The agent's and verifier's logs are searched for ENOSPC's words up to this size each
+# (terminus-2's, its trajectory included, are a few MB).
 _LOG_SCAN_BYTES = 64 << 20
 
 
@@ -275,24 +273,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._poll_interval = options.memory_poll_interval_sec
         self._scratch_root = options.scratch_dir.expanduser() if options.scratch_dir else None
         self._extra_hosts = parse_extra_hosts(options.extra_hosts)
-        # Only fakeroot containers see the owners an unpacked root keeps, and only a user with
-        # a subuid range can unpack it so (roots.py).
-        self._roots = (
-            UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
-            if self._fakeroot and not missing_subid_ranges()
-            else None
-        )
-        # Why unpacked roots asked for are not used here, said once at the start.
-        self._roots_off: str | None = None
-        if self._roots is None and options.unpacked_roots != 0:
-            self._roots_off = (
-                "the task runs without fakeroot"
-                if not self._fakeroot
-                else "you have no subordinate id range (/etc/subuid) to unpack images with"
-                if missing_subid_ranges()
-                else "the scratch folder is a tmpfs (memory): `auto` unpacks onto disks only"
-            )
+        # The images unpacked on the node: the lower folders of containers' own roots.
+        self._roots = UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
         self._root_leases: list[Lease] = []
+        # The namespaces the containers' own roots are mounted in (holder.py), where they are.
+        self._holder: Holder | None = None
         # What the trial's folder says of this container's limits (limits.py).
         self._limits: list[str] = []
         super().__init__(
@@ -460,12 +445,6 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self.image = image_config(self.sif_path) or ImageConfig()
         if not (self._workdir_kwarg or self.task_env_config.workdir):
             self.workdir = self.image.workdir or DEFAULT_WORKDIR
-        try:
-            flags = await asyncio.to_thread(run_flags, self.sif_path, fakeroot=self._fakeroot)
-        except HarborHpcError as exc:
-            raise ContainerStartFailed(
-                f"task {self.environment_name}: {exc.message} ({exc.hint})"
-            ) from exc
         self._choose_network()
         if self._effective_gpus:
             try:
@@ -474,8 +453,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from exc
         self._prepare_scratch()
         try:
-            assert self._main is not None  # _prepare_scratch made it
-            await self._lease_root(self._main)
+            flags = await self._hold_or_flags()
             await self._launch(flags)
             self._record_limits()
             # As Docker's environment leaves them: Harbor's log folders (bound from the trial's
@@ -497,9 +475,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         limits = []
         if self._main.root_user is None:
             limits.append(AS_YOU)
-        if self._main.root is not None:
-            limits.append(UNPACKED_ROOT)
-        elif ROOT_MAPPED in self._main.stderr_text():
+        if ROOT_MAPPED in self._main.stderr_text():
             limits.append(ONE_ID)
         if self._network_problem is not None:
             limits.append(node_network(self._network_problem))
@@ -516,33 +492,54 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             )
         write_limits(self.trial_paths.trial_dir, limits)
 
-    async def _lease_root(self, container: Container) -> None:
-        """Run `container` (the task's, a compose service's) from its image unpacked on this
-        node, where it can be (roots.py)."""
-        if self._roots is None:
-            if self._roots_off is not None:
-                self.logger.warning(
-                    "task %s: unpacked_roots is not used: %s; it runs from its .sif",
-                    self.environment_name,
-                    self._roots_off,
+    @property
+    def _scratch_parent(self) -> Path:
+        return self._scratch_root or Path(tempfile.gettempdir())
+
+    async def _hold_or_flags(self) -> tuple[str, ...]:
+        """Start the namespaces the containers' own roots are mounted in, where this node takes
+        that path (holder.py): no flags then. Else Apptainer's flags for this user (`run_flags`),
+        the path taken, and why, said in the trial's log."""
+        assert self._main is not None
+        path = None
+        if self._fakeroot:
+            subids = not missing_subid_ranges()
+            path = await asyncio.to_thread(root_path, self._scratch_parent, subids=subids)
+        if path is not None and path.way is not None:
+            holder = Holder(path.way)
+            try:
+                await holder.start()
+            except HolderFailed as exc:
+                await holder.stop()
+                give_up(self._scratch_parent, f"its namespaces did not start: {exc}")
+            else:
+                self._holder = self._main.holder = holder
+                self.logger.info(
+                    "task %s: container root: %s", self.environment_name, path.describe()
                 )
-                self._roots_off = None
+                return ()
+            path = root_path(self._scratch_parent, subids=True)
+        if path is not None:
+            self.logger.warning(
+                "task %s: container root: %s", self.environment_name, path.describe()
+            )
+        try:
+            assert self.sif_path is not None
+            return await asyncio.to_thread(run_flags, self.sif_path, fakeroot=self._fakeroot)
+        except HarborHpcError as exc:
+            raise ContainerStartFailed(
+                f"task {self.environment_name}: {exc.message} ({exc.hint})"
+            ) from exc
+
+    async def _lease_root(self, container: Container) -> None:
+        """The lower folder of `container`'s own root (the task's, a compose service's): its
+        image unpacked on this node where it is (roots.py), else (None) its .sif."""
+        if self._roots is None:
             return
-        began = time.monotonic()
-        # Found being unpacked (a fleet started together): its root, unless that takes too long.
-        under_way = self._roots.unpacking(container.sif)
         lease = await asyncio.to_thread(self._roots.lease, container.sif)
-        if lease is None and under_way:
-            deadline = began + WAIT_FOR_UNPACK_S
-            while self._roots.unpacking(container.sif) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            lease = await asyncio.to_thread(self._roots.lease, container.sif)
         if lease is not None:
             self._root_leases.append(lease)
             container.root = lease.root
-            self.logger.debug(
-                "%s: runs from %s (%.2f s)", container.name, lease.root, time.monotonic() - began
-            )
 
     def _hosts(self, hostname: str) -> str:
         """/etc/hosts for a container of the pod named `hostname`: every service's name at
@@ -618,7 +615,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             binds += ["-B", f"{source}:{volume.target}{':ro' if volume.read_only else ''}"]
         return binds
 
-    def _command(self, flags: tuple[str, ...]) -> list[str]:
+    def _options(self) -> list[str]:
+        """The main container's Apptainer options: its binds, its name, its GPUs."""
         assert self._main is not None and self._private_dir is not None
         binds = self._main.mounts()
         if not self._fakeroot:
@@ -646,30 +644,52 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             binds += self._volume_binds(self._compose.main.volumes)
         if self._gpus:
             binds += gpus.container_options(self._gpus)
-        return task_container_command(
-            self._main.image_path,
+        return ["--env", f"HARBOR_STAGING={ENV_FILES}", *binds]
+
+    def _command(self, flags: tuple[str, ...]) -> list[str]:
+        assert self._main is not None
+        return self._main.command(
             flags,
-            launcher(self.workdir),
-            overlay=self._main.overlay,
+            self.workdir,
             own_network=self._no_network or self._own_network,
+            options=self._options(),
             no_mount=self._no_mount,
-            options=["--env", f"HARBOR_STAGING={ENV_FILES}", *binds],
         )
 
     async def _launch(self, flags: tuple[str, ...]) -> None:
         assert self._main is not None
+        if self._holder is not None and self._main.merged is None:
+            try:
+                began = time.monotonic()
+                await self._lease_root(self._main)
+                await self._main.mount_root(self._options())
+                self.logger.debug(
+                    "%s: its root over %s (%.2f s)",
+                    self._main.name,
+                    self._main.root or self._main.sif,
+                    time.monotonic() - began,
+                )
+            except HolderFailed as exc:
+                self.logger.warning(
+                    "task %s: its own root failed (%s): Apptainer's own overlay on the .sif",
+                    self.environment_name,
+                    exc,
+                )
+                await self._let_go_of_roots()
+                assert self.sif_path is not None
+                flags = await asyncio.to_thread(run_flags, self.sif_path, fakeroot=True)
         try:
             await self._main.launch(self._command(flags))
         except ContainerStartFailed as exc:
             said = str(exc)
-            if self._main.root is not None and SANDBOX_REFUSED in said:
-                # The site allows no directory container (`allow container dir = no`): not
-                # its unpacked root, then; from its .sif (the overlay folder is tried next).
-                self.logger.warning(
-                    "task %s: %s: runs from its .sif", self.environment_name, SANDBOX_REFUSED
-                )
-                self._main.root = None
-                await self._launch(flags)
+            refused = next((w for w in (SANDBOX_REFUSED, PATH_REFUSED) if w in said), None)
+            if self._holder is not None and refused is not None:
+                # The site allows no directory container (`allow container dir = no`), or
+                # none in the scratch folder (`limit container paths`): not a root of our
+                # own, then; Apptainer's overlay on the .sif.
+                give_up(self._scratch_parent, f"this node's apptainer.conf: {refused}")
+                await self._let_go_of_roots()
+                await self._launch(await self._hold_or_flags())
                 return
             if OVERLAY_OFF in said:
                 raise ContainerStartFailed(
@@ -720,15 +740,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if self._compose is None or self._main is None or self._private_dir is None:
             return
         pod_namespaces = self._own_network or self._no_network
-        prefix: list[str] = []
+        join = None
         if pod_namespaces:
-            server = self._main.server_pid()
-            if server is None:
+            join = self._main.server_pid()
+            if join is None:
                 raise ContainerStartFailed(
                     f"task {self.environment_name}: no server process in the container for "
                     "its compose services to join"
                 )
-            prefix = ["nsenter", "-t", str(server), "-U", "-n", "--preserve-credentials", "--"]
         reached: set[tuple[str, str]] = set()
 
         async def wait_for(depends_on: dict[str, str]) -> None:
@@ -748,12 +767,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 service, self.environment_name, private, sifs[service.name], self.logger
             )
             self._sidecars[service.name] = sidecar
-            await self._lease_root(sidecar.container)
+            if self._holder is not None:
+                sidecar.container.holder = self._holder
+                await self._lease_root(sidecar.container)
             binds = [*sidecar.container.mounts(), "-B", f"{private / 'hosts'}:/etc/hosts"]
             if self._own_network:
                 binds += ["-B", f"{private / 'resolv.conf'}:/etc/resolv.conf"]
             binds += self._volume_binds(service.volumes)
-            await sidecar.start(prefix, () if pod_namespaces else flags, binds)
+            await sidecar.start(() if pod_namespaces else flags, binds, join=join)
             if self._watchdog is not None and sidecar.container.pid is not None:
                 self._watchdog.add_root(sidecar.container.pid, sidecar.container.tmpfs_paths())
         await wait_for(self._compose.main.depends_on)
@@ -853,8 +874,6 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             self._raise_if_oom_killed()
             raise
         self._raise_if_oom_killed()
-        if main.root is not None and (EXDEV_TEXT in output.stdout or EXDEV_TEXT in output.stderr):
-            self._note_refused_rename(main)
         if ENOSPC_TEXT in output.stdout or ENOSPC_TEXT in output.stderr:
             self._note_full_disk()
         return _exec_result(output)
@@ -877,19 +896,6 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         limit = disk_full(str(self._scratch.path.parent), free)
         self._limits.append(limit)
         self.logger.warning("task %s: %s", self.environment_name, limit)
-        write_limits(self.trial_paths.trial_dir, self._limits)
-
-    def _note_refused_rename(self, main: Container) -> None:
-        """A command of a container run from an unpacked root printed EXDEV's words (in what
-        exec returned, or in the agent's and verifier's logs): say so in the trial's folder,
-        once, so that a reward it cost is named, not learned from; and run the image from its
-        .sif on this node from now on."""
-        if RENAME_REFUSED in self._limits:
-            return
-        if self._roots is not None:
-            self._roots.refuse(main.sif)
-        self._limits.append(RENAME_REFUSED)
-        self.logger.warning("task %s: %s", self.environment_name, RENAME_REFUSED)
         write_limits(self.trial_paths.trial_dir, self._limits)
 
     async def _run_streaming(
@@ -1051,6 +1057,19 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     # -- stop -------------------------------------------------------------------
 
+    async def _let_go_of_roots(self) -> None:
+        """End the holder's namespaces (every process and mount in them) and the leases of
+        the unpacked roots its containers' roots were mounted over."""
+        if self._holder is not None:
+            await self._holder.stop()
+            self._holder = None
+        for container in [self._main, *(s.container for s in self._sidecars.values())]:
+            if container is not None:
+                container.holder = container.merged = container.root = None
+        for lease in self._root_leases:
+            lease.release()
+        self._root_leases = []
+
     @override
     async def stop(self, delete: bool) -> None:
         if self._watchdog is not None:
@@ -1064,15 +1083,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 writable += self._volume_targets(self._compose.main.volumes)
             await self._main.stop(writable)
             logs = [self.trial_paths.agent_dir, self.trial_paths.verifier_dir]
-            said = await asyncio.to_thread(_logs_say, logs, (EXDEV_TEXT, ENOSPC_TEXT))
-            if self._main.root is not None and EXDEV_TEXT in said:
-                self._note_refused_rename(self._main)
+            said = await asyncio.to_thread(_logs_say, logs, (ENOSPC_TEXT,))
             if ENOSPC_TEXT in said:
                 self._note_full_disk()
             self._main = None
-        for lease in self._root_leases:
-            lease.release()
-        self._root_leases = []
+        await self._let_go_of_roots()
         if self._egress is not None:
             await self._egress.close()
             self._egress = None

@@ -31,22 +31,6 @@ WRITABLE_TMPFS = (
     "size` and not counted against its memory_mb"
 )
 AS_YOU = "runs as you, not as root (fakeroot=false): tasks that need root fail"
-UNPACKED_ROOT = (
-    "runs from its image unpacked on the node (unpacked_roots: the kernel's overlayfs in a user "
-    "namespace): renaming a directory fails (EXDEV), so dpkg cannot install packages"
-)
-
-# What the trial's folder says, beside UNPACKED_ROOT, once a command's output shows the refusal
-# (strerror(EXDEV), as dpkg, Python and coreutils print it): a reward below the full one is
-# then not the policy's doing, and `status` and `export` name it so (results/classify.py).
-EXDEV_TEXT = b"Invalid cross-device link"
-RENAME_REFUSED = (
-    "a command failed to rename a directory (Invalid cross-device link), which its unpacked "
-    "root refuses and Docker allows: a reward below 1 is not the agent's; the image runs from "
-    "its .sif on this node from now on (`resubmit --failed` runs the attempt again)"
-)
-
-
 # What a command prints when its write was refused for want of room (strerror(ENOSPC)); the
 # trial's folder says DISK_FULL when its scratch disk (the container's writable layer, /tmp)
 # was then below FULL_BELOW_BYTES free: another user, or a neighbour trial, filled the node's

@@ -73,12 +73,10 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"],
         BeforeValidator(_not_a_flag),
     ] = Field(
-        0,
-        description="Run task containers from their images unpacked in the scratch folder, some "
-        "four times as fast to start, but renaming a directory fails there (dpkg cannot install "
-        "packages): `auto` unpacks an image that starts again on the node, in the background "
-        "(starts that find it being unpacked wait up to 15 s for it), up to a quarter of the "
-        "disk's free space, never on a tmpfs; N keeps up to N GiB, each "
-        "image unpacked at its first start; 0 (the default) never. Fakeroot containers of "
-        "users with a subuid range only.",
+        "auto",
+        description="Images unpacked in the scratch folder, the lower folder of containers' own "
+        "roots (faster than the .sif through squashfuse): `auto` (the default) unpacks an image "
+        "that starts again on the node, in the background (its starts meanwhile from the .sif), "
+        "up to a quarter of the disk's free space, never on a tmpfs; N keeps up to N GiB, each "
+        "image unpacked at its first start; 0 never.",
     )

@@ -1,14 +1,14 @@
 """A compose task's services beside its main container: one pod, as an ordinary user.
 
 Each service (tasks/compose.py) is a container of its own (container.py: its image, overlay,
-command server) that joins the main container's user and network namespaces
-(`nsenter -t PID -U -n --preserve-credentials apptainer exec ...`): it is root there as the
-main container is, shares its loopback (service names resolve to 127.0.0.1 in every
-/etc/hosts of the pod), its network of its own and whatever network policy holds there. Where the
-main container shares the node's network, so do its services. Its image is an `image:`
-reference, converted into the .sif store as `convert` does, or a `build:` context, found in the
-store under the name `build --builder apptainer` gives it (`env-<context hash>.sif`) and built
-there first when missing, as `docker compose up` builds a missing image.
+command server) that joins the main container's user and network namespaces (`nsenter`; its
+root is mounted in the environment's own namespaces, holder.py, where the main container's is):
+it is root there as the main container is, shares its loopback (service names resolve to
+127.0.0.1 in every /etc/hosts of the pod), its network of its own and whatever network policy
+holds there. Where the main container shares the node's network, so do its services. Its image is
+an `image:` reference, converted into the .sif store as `convert` does, or a `build:` context,
+found in the store under the name `build --builder apptainer` gives it (`env-<context hash>.sif`)
+and built there first when missing, as `docker compose up` builds a missing image.
 
 A service runs its ENTRYPOINT and command (the compose file's, else the image's) in the
 background, as its user, in its working directory, with the image's ENV and its `environment`;
@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harbor_hpc.apptainer.builder import ApptainerBuilder, sif_name
-from harbor_hpc.apptainer.container import Container, launcher
+from harbor_hpc.apptainer.container import Container
 from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable
-from harbor_hpc.apptainer.runtime import task_container_command
 from harbor_hpc.apptainer.sif import ImageConfig, image_config
 from harbor_hpc.apptainer.store import checked_sif, ensure_sif, is_ready, sif_file
 from harbor_hpc.core.errors import HarborHpcError
@@ -138,20 +137,27 @@ class Sidecar:
         return [*entrypoint, *command]
 
     async def start(
-        self, prefix: Sequence[str], flags: Sequence[str], binds: Sequence[str]
+        self,
+        flags: Sequence[str],
+        binds: Sequence[str],
+        *,
+        join: int | None,
     ) -> None:
-        """Launch the container (`prefix` joins the pod's namespaces) and its command."""
+        """Launch the container and its command: in the pod's user and network namespaces where
+        `join` (the host pid of the main container's server) is given, its root mounted in its
+        holder's namespaces where it has one."""
         env = {**self.container.image.env, **self.service.environment}
         self.container.stage(env)
-        command = task_container_command(
-            self.container.image_path,
-            flags,
-            launcher(self.workdir),
-            overlay=self.container.overlay,
-            own_network=False,
-            options=["--uts", "--hostname", self.name, *binds],
+        options = ["--uts", "--hostname", self.name, *binds]
+        if self.container.holder is not None:
+            await self.container.mount_root(options)
+        command = self.container.command(
+            flags, self.workdir, own_network=False, options=options, net_of=join
         )
-        await self.container.launch([*prefix, *command])
+        if join is not None and self.container.holder is None:
+            enter = ["nsenter", "-t", str(join), "-U", "-n", "--preserve-credentials", "--"]
+            command = [*enter, *command]
+        await self.container.launch(command)
         argv = self.argv()
         if not argv:
             raise ContainerStartFailed(

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
+from harbor_hpc.apptainer.holder import RootWay, root_path
 from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.network import (
     egress_problem,
@@ -88,6 +89,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         userns,
         setuid_finding(build_config),
         subid_finding(),
+        container_root_finding(),
         unpacked_roots_finding(),
         fuse_finding(),
         squashfuse_finding(build_config),
@@ -242,6 +244,27 @@ def subid_finding() -> Finding:
     return Finding("fakeroot ids", Status.OK, f"{user} has subuid and subgid ranges")
 
 
+def container_root_finding() -> Finding:
+    """Which path a task container's root takes on this node, and why not a faster one
+    (holder.py), for the scratch folder trials use by default ($TMPDIR)."""
+    path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
+    if path.way is RootWay.KERNEL:
+        return Finding("container root", Status.OK, path.describe())
+    hint = (
+        "the subuid and subgid ranges above"
+        if "subuid" in path.why
+        else "Linux 5.11 or later lets a user mount the kernel's overlay in a user namespace, "
+        "fuse-overlayfs with /dev/fuse is the next best"
+    )
+    return Finding(
+        "container root",
+        Status.WARN,
+        path.describe(),
+        f"{hint}; meanwhile containers start and write as Apptainer alone gives them (named "
+        "in each trial's log)",
+    )
+
+
 def unpacked_roots_finding() -> Finding:
     """Whether `unpacked_roots` can unpack images here, owners kept (roots.py)."""
     if shutil.which("unsquashfs") is None:
@@ -256,7 +279,7 @@ def unpacked_roots_finding() -> Finding:
         return Finding(
             "unpacked roots",
             Status.OK,
-            "images unpack as fakeroot's root (`unpacked_roots`: starts without FUSE)",
+            "images unpack as fakeroot's root (`unpacked_roots`: roots without FUSE)",
         )
     return Finding(
         "unpacked roots",
@@ -516,6 +539,15 @@ def task_container_finding(image: Path) -> Finding:
             f"root inside, writable overlay on {Path(tempfile.gettempdir())}, {network}",
         )
     why = attempt.why()
+    own = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
+    if OVERLAY_OFF in why and own.way is not None:
+        return Finding(
+            "task container",
+            Status.WARN,
+            "this node's apptainer.conf turns Apptainer's overlays off (enable overlay = no): "
+            f"task containers take {own.describe()} (the container root line), never Apptainer's",
+            "users without that path need `enable overlay = yes` in apptainer.conf",
+        )
     return Finding(
         "task container",
         Status.MISSING,

@@ -1,36 +1,29 @@
-"""Images unpacked on the node's own disk (`unpacked_roots`): a container starts from the folder
-some four times as fast as from the .sif.
+"""Images unpacked on the node's own disk: the lower folders of containers' own roots (holder.py).
 
-Opt-in, for what it costs in fidelity: the kernel's overlayfs in a user namespace refuses to
-rename a directory (EXDEV), so dpkg cannot install packages there; a trial that runs so says it.
-`unpacked_roots = "auto"` unpacks an image where it pays: once it starts a second time on the
-node (an RL trainer restarts the same few images thousands of times), in the background, its
-own start running from the .sif meanwhile; on a disk, never a tmpfs; never past a quarter of
-the disk's free space (what the roots hold counted in). An image started once costs nothing but
-a mark. The starts that find their image being unpacked (a fleet started together: the reuse is
-known) wait a while for its root rather than each mount the .sif with two FUSE daemons of its
-own. `unpacked_roots = N` (GiB) unpacks at an image's first start and keeps up to N GiB.
+A container's root is an overlay mounted in the environment's own namespaces, over the .sif's
+squashfs (through squashfuse: every file the container opens a round trip through its FUSE
+daemon) or over the image unpacked in a folder of the node's disk (the kernel's speed). With
+`unpacked_roots = "auto"` (the default) an image is unpacked where it pays: once it starts a
+second time on the node (an RL trainer restarts the same few images thousands of times), in the
+background, its starts going on from the .sif meanwhile (none waits for the unpack); on a disk,
+never a tmpfs; never past a quarter of the disk's free space (what the roots hold counted in).
+An image started once costs nothing but a mark. `unpacked_roots = N` (GiB) unpacks at an
+image's first start and keeps up to N GiB; 0 never unpacks.
 
-From a .sif, Apptainer (unprivileged) mounts the image with squashfuse and must stack the
-writable overlay on it with fuse-overlayfs: every file the container opens is a round trip
-through two FUSE daemons. From a folder on a local disk it uses the kernel's overlayfs. Each
-image is unpacked once per node and user, into a 0700 folder of the node's temporary space,
+Each image is unpacked once per node and user, into a 0700 folder of the node's temporary space,
 and shared by that user's containers there; the least recently used roots that no container
 uses are removed once they hold more than the cap.
 
-The image is unpacked as root of a user namespace mapped as Apptainer's fakeroot maps its
-containers' (`unshare --map-root-user --map-auto`), so every file keeps its owner: only
-fakeroot containers (the default) run from unpacked roots. Device nodes are not made (Apptainer
-gives every container a /dev of its own). Whatever cannot be unpacked (no `unshare --map-auto`,
-no subordinate ids, a full disk) runs from its .sif, as always.
+The image is unpacked as root of a user namespace mapped as the holder's (`unshare
+--map-root-user --map-auto`), so every file keeps its owner. Device nodes are not made
+(Apptainer gives every container a /dev of its own). Whatever cannot be unpacked (no subordinate
+ids, a full disk) runs from its .sif, as always.
 
 Each root has, beside it, `KEY.use`: a container holds a shared lock on it while it runs from
 the root, and its modification time says when the root was last used. A root is removed only
 under an exclusive lock on it, and a lease checks, once it has its lock, that the file it locked
 is still the one of that name. A root is made as `.KEY.partial` under the lock `.KEY.lock`, and
-renamed into place: what a killed unpack left (its lock free again) goes at the next unpack. An
-image one of whose containers had a directory rename refused (`refuse`: a task that installs
-packages, say) is marked `KEY.renames` and runs from its .sif on the node from then on.
+renamed into place: what a killed unpack left (its lock free again) goes at the next unpack.
 """
 
 from __future__ import annotations
@@ -62,10 +55,8 @@ UNPACK_TIMEOUT_S = 1800
 _DEVICE_NODE = re.compile(r"(could not|failed to) create (character|block) device")
 # After a failed unpack, the image runs from its .sif this long before it is tried again.
 RETRY_AFTER_S = 600
-# A start that finds its image being unpacked waits this long for the root, then takes the .sif.
-WAIT_FOR_UNPACK_S = 15.0
-# unsquashfs as root of a user namespace mapped as Apptainer's fakeroot maps it (root the user,
-# 1 and up the user's subordinate ids): every file keeps the owner the image gave it.
+# unsquashfs as root of a user namespace mapped as the holder's (root the user, 1 and up the
+# user's subordinate ids): every file keeps the owner the image gave it.
 UNPACK_AS_ROOT = ("unshare", "--map-root-user", "--map-auto")
 # Room an unpack needs, in multiples of the compressed image.
 _GROWTH = 4
@@ -119,26 +110,6 @@ class UnpackedRoots:
             log.warning("unpacked roots: %s: %s: the .sif is used", sif, exc)
             return None
 
-    def refuse(self, sif: Path) -> None:
-        """A container of `sif` failed a directory rename in its root (EXDEV, which Docker
-        allows): the image's next starts on the node run from its .sif (`KEY.renames`)."""
-        with contextlib.suppress(OSError):
-            (self.folder / f"{self._key(sif)}.renames").touch()
-
-    def unpacking(self, sif: Path) -> bool:
-        """Whether `sif` is being unpacked on the node now, by this process or another."""
-        try:
-            key = self._key(sif)
-        except OSError:
-            return False
-        with _unpacking_lock:
-            if key in _unpacking:
-                return True
-        if (self.folder / key).is_dir():
-            return False
-        with self._lock_free(key) as free:
-            return not free
-
     @staticmethod
     def _key(sif: Path) -> str:
         """The root's name: the image's path, size and time (a new image, a new root)."""
@@ -153,8 +124,6 @@ class UnpackedRoots:
             return None
         key = self._key(sif)
         root = self.folder / key
-        if (self.folder / f"{key}.renames").exists():
-            return None  # its tasks rename directories: never from a root again on this node
         failed = self.folder / f"{key}.failed"
         with contextlib.suppress(FileNotFoundError):
             if time.time() - failed.stat().st_mtime < RETRY_AFTER_S:

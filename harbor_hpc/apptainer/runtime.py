@@ -283,6 +283,7 @@ DEFAULT_NO_MOUNT = "home,tmp,bind-paths"
 # needs: an overlay folder is a sandbox container to it (`allow container dir = no`), and
 # overlays of any kind, --writable-tmpfs too, can be off (`enable overlay = no`).
 SANDBOX_REFUSED = "configuration disallows users from running sandbox containers"
+PATH_REFUSED = "is not in an allowed configured path"
 OVERLAY_OFF = "requires 'enable overlay'"
 OVERLAY_OFF_FIX = (
     "a container's root cannot be written, as every task's is under Docker: ask the cluster "
@@ -301,7 +302,7 @@ _SET_TO_NO = re.compile(r"requires '([a-z ]+)', but set to 'no' by administrator
 def site_policy_fix(said: str) -> str | None:
     """Where Apptainer's words `said` are a refusal by the site's apptainer.conf, what to ask
     the admins for (the key, set to yes); None otherwise."""
-    if "is not in an allowed configured path" in said:
+    if PATH_REFUSED in said:
         return (
             "this node's apptainer.conf runs images only from the folders its `limit container "
             "paths` names: keep the .sif store (cache_dir) in one of them, or ask the admins to "
@@ -329,15 +330,19 @@ def writes_in_memory() -> bool:
 
 
 def container_flags(
-    *, overlay: Path, own_network: bool, no_mount: str = DEFAULT_NO_MOUNT
+    *, overlay: Path | None, own_network: bool, no_mount: str = DEFAULT_NO_MOUNT
 ) -> list[str]:
     """The isolation a task's container gets, as Docker gives it: its own /tmp, /dev/shm and
     HOME from the image (nothing of the host's), a disk-backed writable root file system
     (`overlay`, a folder on scratch space; in memory, --writable-tmpfs, where the site allows no
-    overlay folder), its own process and IPC namespaces (so every process of the container,
-    daemons included, stays in one tree), and with `own_network` a network namespace of its
+    overlay folder; None: the image is a folder that is its own writable root, holder.py), its
+    own process and IPC namespaces (so every process of the container, daemons included, stays
+    in one tree), and with `own_network` a network namespace of its
     own, with only loopback until something connects it (network.py)."""
-    writable = ["--writable-tmpfs"] if writes_in_memory() else ["--overlay", str(overlay)]
+    if overlay is None:
+        writable = ["--writable"]
+    else:
+        writable = ["--writable-tmpfs"] if writes_in_memory() else ["--overlay", str(overlay)]
     flags = ["--contain", "--cleanenv", "--ipc", "--pid", *writable]
     for part in no_mount.split(","):
         if part.strip():
@@ -352,7 +357,7 @@ def task_container_command(
     flags: Sequence[str],
     command: Sequence[str],
     *,
-    overlay: Path,
+    overlay: Path | None,
     own_network: bool,
     no_mount: str = DEFAULT_NO_MOUNT,
     options: Sequence[str] = (),

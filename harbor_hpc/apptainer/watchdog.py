@@ -256,15 +256,21 @@ def _mount_namespace(pid: int | str) -> str | None:
         return None
 
 
-def namespace_processes(tree: list[psutil.Process]) -> list[psutil.Process]:
-    """Every process on the node in the container's mount namespace(s), seen from `tree`.
+def namespace_processes(
+    tree: list[psutil.Process], shared: int | None = None
+) -> list[psutil.Process]:
+    """Every process on the node in the container's mount namespace(s), seen from `tree`, but
+    the one process `shared` is in (the holder's, holder.py, which the environment's other
+    containers share too).
 
     A daemon that double-forked out of a container without a process-tree anchor (the bash
     server cannot make itself a subreaper) is no longer in the tree, but it stays in the
     container's mount namespace, which no process outside the container shares.
     """
-    ours = _mount_namespace("self")
-    namespaces = {_mount_namespace(process.pid) for process in tree} - {ours, None}
+    ours = {_mount_namespace("self"), None}
+    if shared is not None:
+        ours.add(_mount_namespace(str(shared)))
+    namespaces = {_mount_namespace(process.pid) for process in tree} - ours
     if not namespaces:
         return []
     members = []
@@ -276,11 +282,12 @@ def namespace_processes(tree: list[psutil.Process]) -> list[psutil.Process]:
     return members
 
 
-def whole_container(root_pid: int) -> list[psutil.Process]:
+def whole_container(root_pid: int, shared: int | None = None) -> list[psutil.Process]:
     """The container's process tree under `root_pid`, and what left the tree but stays in its
-    mount namespace. Walks /proc: on a node with thousands of processes, tens of ms."""
+    mount namespace (not in the one `shared` is in). Walks /proc: on a node with thousands of
+    processes, tens of ms."""
     tree = tree_processes(root_pid)
-    return tree + namespace_processes(tree)
+    return tree + namespace_processes(tree, shared)
 
 
 def kill_processes(processes: list[psutil.Process]) -> None:

@@ -9,7 +9,7 @@ names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's t
                     or subuid ranges: `harbor-hpc doctor`), a bad environment kwarg, or anything
                     else that failed before the agent started (fix the cluster setup, rerun)
     unsupported     the task needs what the environment cannot give faithfully (a compose
-                    feature; a directory rename its unpacked root refused)
+                    feature)
     setup           the task's setup.sh or healthcheck failed (fix the task)
     memory          the memory watchdog killed the container (raise memory_mb or fix the task)
     timeout         the agent or the verifier ran out of time (raise timeouts or accept)
@@ -43,7 +43,7 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.limits import DISK_FULL_PREFIX, RENAME_REFUSED, read_limits
+from harbor_hpc.apptainer.limits import DISK_FULL_PREFIX, read_limits
 from harbor_hpc.results.calls import CallEnd, ModelCalls, read_calls
 
 if TYPE_CHECKING:
@@ -234,7 +234,6 @@ def outcome_of_result(
     - an answer lacked the token ids or log-probs its call asked for: the model server's;
     - the agent could not start in the image (a tool it runs, `tmux: command not found`):
       the image's (`image`);
-    - a directory rename its unpacked root refused, with a reward below 1: `unsupported`;
     - a write refused while its scratch disk was full, and the trial failed or scored below 1:
       `infrastructure`, whatever failed then (the agent's write, the verifier's upload);
     - no reward at all: none to learn from (its failure stands).
@@ -311,8 +310,6 @@ def _not_the_policys(
                 f"the agent could not start in the image: {missing.group(1)} is not in it "
                 f"({outcome.message}); add it to the image's Dockerfile and build again"
             )
-    if RENAME_REFUSED in limits and not (outcome.reward or 0) >= 1:
-        return FailureClass.UNSUPPORTED, RENAME_REFUSED
     return None
 
 

@@ -158,8 +158,9 @@ services:
 def test_services_run_beside_the_task_as_docker_compose_runs_them(
     debian_sif: Path, tmp_path: Path, roots: int
 ) -> None:
-    """The same pod from the .sif, and with every container (services too) from the image
-    unpacked on the node (`unpacked_roots`, the kernel's overlayfs), where the user can."""
+    """The same pod over the .sif, and with every container's root (services too) over the
+    image unpacked on the node (`unpacked_roots`), where the user can: roots of our own (the
+    kernel's overlay), else Apptainer's (fuse-overlayfs)."""
     env_dir = tmp_path / "environment"
     write_compose(env_dir, POD.format(image=debian_sif, probe=PROBE))
     environment = make_environment(
@@ -167,8 +168,14 @@ def test_services_run_beside_the_task_as_docker_compose_runs_them(
         scratch_dir=str(tmp_path / "scratch"),
     )  # fmt: skip
     assert environment.capabilities.docker_compose
-    mounts = "grep ' / ' /proc/mounts | cut -d' ' -f3"
-    unpacked = bool(roots) and not missing_subid_ranges()
+    mounts = (
+        'awk \'$2 == "/" {print $3, ($4 ~ /harbor-hpc-roots-/ ? "unpacked" : "packed")}\''
+        " /proc/mounts | tail -n 1"
+    )
+    own = not missing_subid_ranges()
+    root = ("overlay " if own else "fuse.fuse-overlayfs ") + (
+        "unpacked\n" if roots and own else "packed\n"
+    )
 
     async def scenario() -> dict[str, str]:
         await environment.start(force_build=False)
@@ -211,7 +218,7 @@ def test_services_run_beside_the_task_as_docker_compose_runs_them(
     assert seen["api"].split() == ["0", "api", "/srv", "hi"]
     assert seen["shared"] == "from-api\n" and seen["download"] == "api\n"
     assert seen["after"] == "up\n"
-    assert seen["roots"] == ("overlay\n" if unpacked else "fuse.fuse-overlayfs\n") * 2
+    assert seen["roots"] == root * 2
     assert list(tmp_path.glob("trial/**/harbor-hpc-env-*")) == []
 
 

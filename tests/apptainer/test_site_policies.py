@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer import probes, runtime
+from harbor_hpc.apptainer import holder, probes, runtime
 from harbor_hpc.apptainer.errors import ContainerStartFailed
-from harbor_hpc.apptainer.limits import UNPACKED_ROOT, WRITABLE_TMPFS, read_limits
+from harbor_hpc.apptainer.limits import WRITABLE_TMPFS, read_limits
+from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.core.probe import Finding, Status
 from tests.support.environments import make_environment
 
@@ -31,6 +32,7 @@ def forget() -> None:
     runtime.run_flags.cache_clear()
     runtime.apptainer_version.cache_clear()
     runtime._writable_in_memory.clear()
+    holder._paths.clear()
 
 
 @pytest.fixture
@@ -66,7 +68,14 @@ def container_finding(cache_dir: Path) -> Finding:
 @pytest.mark.parametrize(
     ("key", "value", "status", "fix"),
     [
-        ("enable overlay", "no", Status.MISSING, "`enable overlay = yes`"),
+        # Where the node takes a root of our own, tasks run (Apptainer's overlay unused).
+        pytest.param(
+            "enable overlay",
+            "no",
+            Status.MISSING if missing_subid_ranges() else Status.WARN,
+            "`enable overlay = yes`",
+            id="enable overlay-no",
+        ),
         ("allow container dir", "no", Status.WARN, "`allow container dir = yes`"),
         ("allow container sif", "no", Status.MISSING, "`allow container sif = yes`"),
         ("enable fusemount", "no", Status.OK, ""),
@@ -88,9 +97,9 @@ def test_doctor_says_what_each_policy_leaves(
 def test_no_overlay_folders_write_in_memory_and_say_so(
     site: Policy, debian_sif: Path, tmp_path: Path, roots: int
 ) -> None:
-    """`allow container dir = no`: an overlay folder is a sandbox to Apptainer, so the
-    container writes in memory (--writable-tmpfs), and its trial says so; an unpacked root
-    (`unpacked_roots`), a sandbox too, gives way to the .sif."""
+    """`allow container dir = no`: a root of our own (a folder) and an overlay folder are
+    sandboxes to Apptainer, so the container gives way to the .sif and writes in memory
+    (--writable-tmpfs), and its trial says so."""
     site("allow container dir", "no")
 
     async def main() -> str:
@@ -110,18 +119,31 @@ def test_no_overlay_folders_write_in_memory_and_say_so(
 
     assert asyncio.run(main()) == "0\n42\n"
     limits = read_limits(tmp_path / "env" / "trial")
-    assert WRITABLE_TMPFS in limits and UNPACKED_ROOT not in limits
+    assert WRITABLE_TMPFS in limits
 
 
-def test_overlays_off_refuse_to_start_naming_the_setting(
+def test_overlays_off_leave_roots_of_our_own_and_refuse_the_rest_naming_the_setting(
     site: Policy, debian_sif: Path, tmp_path: Path
 ) -> None:
+    """`enable overlay = no` turns Apptainer's overlays off, not ours: a user with a subuid
+    range gets a writable root as ever; one without (a CI stage) is refused, naming the key."""
     site("enable overlay", "no")
-    env = make_environment(debian_sif, tmp_path / "env", name="site")
+
+    async def main() -> str:
+        env = make_environment(debian_sif, tmp_path / "env", name="site")
+        await env.start(force_build=False)
+        try:
+            return (await env.exec("echo 42 > /root/answer && cat /root/answer")).stdout or ""
+        finally:
+            await env.stop(delete=True)
+
+    if not missing_subid_ranges():
+        assert asyncio.run(main()) == "42\n"
+        return
     with pytest.raises(
         ContainerStartFailed, match=r"enable overlay = no\).*`enable overlay = yes`"
     ):
-        asyncio.run(env.start(force_build=False))
+        asyncio.run(main())
 
 
 def test_extra_bind_paths_stay_out_of_the_container(

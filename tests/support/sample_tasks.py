@@ -45,7 +45,7 @@ SOLVE = {
     # Solves only when the agent was given the secret its run passed with --agent-env.
     "secret": '[ "$HH_TEST_SECRET" = s3cr3t-2f9a ] && echo 42 > /tmp/answer\n',
     # Solves by renaming a new directory into an image's folder, as dpkg installs one (which
-    # an unpacked root refuses: EXDEV, said as Python says it).
+    # Apptainer's own overlay over a folder refuses: EXDEV).
     "renames_a_directory": (
         "mkdir /usr/share/answer.dpkg-new && python3 -c 'import os; "
         'os.rename("/usr/share/answer.dpkg-new", "/usr/share/answer")\' && echo 42 > /tmp/answer\n'

@@ -1,0 +1,288 @@
+"""A container's root as an overlay of our own, mounted in namespaces the environment holds.
+
+Apptainer mounts its kernel overlay without `userxattr`: in its user namespace the overlay cannot
+keep its xattrs, and renaming a directory fails (EXDEV: dpkg fails). From a .sif it stacks
+fuse-overlayfs on squashfuse instead, two FUSE daemons every file goes through. So each
+environment holds a user, mount and pid namespace of its own (`Holder`: root there is the user,
+the user's /etc/subuid range the image's other users, as Apptainer's --fakeroot maps them), and in
+it mounts each of its containers' roots: the kernel's overlay with `userxattr` (Linux 5.11 and
+later), its lower the image unpacked on the node (roots.py) or else the .sif's squashfs through
+squashfuse (a first use needs no unpack), its upper and work folders on the trial's scratch disk.
+Apptainer runs nested in the namespaces, as root there, on the merged folder with `--writable`.
+
+Where a node refuses a step, the next best (`root_path`, asked once per process and scratch
+disk): fuse-overlayfs mounted in our namespace (kernels before 5.11), then Apptainer's own
+overlay on the .sif (no user namespaces of our own, no subordinate id range, no overlay or FUSE
+a user may mount). `harbor-hpc doctor` says which path the node takes and why.
+
+The namespaces' first process (templates/root_holder.py) mounts what the driver asks, reaps the
+namespace's orphans, and ends when the driver does, even by SIGKILL: its stdin is the driver's
+pipe. Its end takes every process and mount of the namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import psutil
+
+from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.apptainer.sif import root_partition
+from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.core.proc import run
+from harbor_hpc.core.scratch import remove_private_dir
+from harbor_hpc.core.templates import template_path
+
+HOLD = (
+    *("unshare", "--user", "--map-root-user", "--map-auto", "--mount", "--pid"),
+    *("--fork", "--kill-child", "--mount-proc"),
+)
+# Mount points every container needs in its root (Apptainer makes none in a --writable folder).
+BASE_DIRS = ("/dev", "/proc", "/sys", "/tmp", "/var/tmp")
+START_TIMEOUT_S = 30.0
+MOUNT_TIMEOUT_S = 150.0
+
+
+class RootWay(StrEnum):
+    """How a container's root is mounted: the kernel's overlay or fuse-overlayfs, in our own
+    namespaces."""
+
+    KERNEL = "kernel overlay"
+    FUSE = "fuse-overlayfs"
+
+
+@dataclass(frozen=True)
+class RootPath:
+    """The path containers' roots take on a node: `way` in our own namespaces, or None for
+    Apptainer's own overlay on the .sif; `why` says why not a faster one (empty for the
+    fastest)."""
+
+    way: RootWay | None
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.way is RootWay.KERNEL:
+            return "the kernel's overlay (userxattr) in a user namespace of its own"
+        if self.way is RootWay.FUSE:
+            return f"fuse-overlayfs in a user namespace of its own ({self.why})"
+        return f"Apptainer's own overlay on the .sif ({self.why})"
+
+
+class HolderFailed(RuntimeError):
+    """The namespaces could not be made or a root not mounted: the words say why."""
+
+
+def helper(name: str) -> str | None:
+    """`name` (squashfuse_ll, fuse-overlayfs) on PATH, else the one Apptainer ships beside it."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        apptainer = Path(os.path.realpath(find_apptainer()))
+    except HarborHpcError:
+        return None
+    shipped = apptainer.parent.parent / "libexec" / "apptainer" / "bin" / name
+    return str(shipped) if os.access(shipped, os.X_OK) else None
+
+
+_paths: dict[Path, RootPath] = {}
+_paths_lock = threading.Lock()
+
+
+def give_up(scratch: Path, why: str) -> None:
+    """This process's containers with upper folders in `scratch` take Apptainer's own overlay
+    from now on: `why` (the site refused a folder as a container, say)."""
+    with _paths_lock:
+        _paths[scratch] = RootPath(None, why)
+
+
+def root_path(scratch: Path, *, subids: bool) -> RootPath:
+    """The path containers' roots take with upper folders in `scratch` for this user (`subids`:
+    whether the user has an /etc/subuid and /etc/subgid range): tried once per process."""
+    with _paths_lock:
+        if scratch not in _paths:
+            _paths[scratch] = _probe(scratch, subids)
+        return _paths[scratch]
+
+
+def _probe(scratch: Path, subids: bool) -> RootPath:
+    if not subids:
+        return RootPath(None, "you have no /etc/subuid and /etc/subgid range to own its files with")
+    if {",", ":"} & set(str(scratch)):
+        return RootPath(
+            None, f"the scratch folder {scratch} holds ',' or ':', which overlays refuse"
+        )
+    if helper("squashfuse_ll") is None:
+        return RootPath(None, "no squashfuse_ll (squashfuse) to mount the .sif with")
+    kernel = _try_overlay(scratch, RootWay.KERNEL)
+    if kernel is None:
+        return RootPath(RootWay.KERNEL)
+    if "unrecognized option" in kernel:
+        return RootPath(None, f"this node's unshare is older than util-linux 2.38: {kernel}")
+    why = f"the kernel's overlay with userxattr (Linux 5.11 and later) refused: {kernel}"
+    fuse = _try_overlay(scratch, RootWay.FUSE)
+    if fuse is None:
+        return RootPath(RootWay.FUSE, why)
+    return RootPath(None, f"{why}; fuse-overlayfs too: {fuse}")
+
+
+def _try_overlay(scratch: Path, way: RootWay) -> str | None:
+    """Mount `way` in a namespace of our own over a lower folder in `scratch`, and rename a
+    directory of the lower in it: None when that works, else why not."""
+    program = helper("fuse-overlayfs") if way is RootWay.FUSE else "mount"
+    if program is None:
+        return "no fuse-overlayfs"
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-probe-", dir=scratch))
+    except OSError as exc:
+        return f"cannot write in {scratch}: {exc.strerror}"
+    try:
+        for name in ("lower/a", "upper", "work", "merged"):
+            (folder / name).mkdir(parents=True)
+        dirs = f"lowerdir={folder}/lower,upperdir={folder}/upper,workdir={folder}/work"
+        mount = (
+            f"{program} -o {dirs},allow_other {folder}/merged"
+            if way is RootWay.FUSE
+            else f"mount -t overlay overlay -o {dirs},userxattr {folder}/merged"
+        )
+        done = run(
+            [*HOLD, "sh", "-c", f"{mount} && mv {folder}/merged/a {folder}/merged/b"],
+            timeout=START_TIMEOUT_S,
+        )
+        return None if done.ok else " ".join(done.why().split())
+    finally:
+        remove_private_dir(folder)
+
+
+def bind_targets(options: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The folders and files Apptainer's `-B SOURCE:TARGET[:OPTIONS]` options in `options` bind
+    onto: their mount points, which a --writable root must have."""
+    dirs: list[str] = list(BASE_DIRS)
+    files: list[str] = []
+    for flag, value in itertools.pairwise(options):
+        if flag not in {"-B", "--bind"}:
+            continue
+        source, _, rest = value.partition(":")
+        target, _, extra = rest.partition(":")
+        target = target or source
+        image_bind = "image-src" in extra
+        (files if os.path.isfile(source) and not image_bind else dirs).append(target)
+    return dirs, files
+
+
+class Holder:
+    """An environment's own user, mount and pid namespaces, in which its containers' roots are
+    mounted (`mount`) and its containers run (`enter`), until `stop`."""
+
+    def __init__(self, way: RootWay) -> None:
+        self.way = way
+        self._process: asyncio.subprocess.Process | None = None
+        self._init: int | None = None  # the host pid of the namespaces' first process
+        self._asking = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._process = await asyncio.create_subprocess_exec(
+            *HOLD,
+            sys.executable,
+            "-I",
+            "-S",
+            str(template_path("root_holder.py")),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        greeting = await self._answer(START_TIMEOUT_S)
+        if "ready" not in greeting:
+            raise HolderFailed(f"the namespaces did not start: {greeting}")
+        children = psutil.Process(self._process.pid).children()
+        if not children:
+            raise HolderFailed("the namespaces' first process is gone")
+        self._init = children[0].pid
+
+    async def _answer(self, timeout: float) -> dict[str, object]:
+        assert self._process is not None and self._process.stdout is not None
+        try:
+            line = await asyncio.wait_for(self._process.stdout.readline(), timeout)
+        except TimeoutError:
+            line = b""
+        if not line:
+            said = b""
+            if self._process.stderr is not None:
+                with contextlib.suppress(TimeoutError):
+                    said = await asyncio.wait_for(self._process.stderr.read(4096), 2)
+            raise HolderFailed(" ".join(said.decode(errors="replace").split()) or "no answer")
+        answer: dict[str, object] = json.loads(line)
+        return answer
+
+    @property
+    def pid(self) -> int | None:
+        """The host pid of the namespaces' first process, while they are held."""
+        return self._init
+
+    def enter(self, net_of: int | None = None) -> list[str]:
+        """The command that runs what follows it in the namespaces (and in the network namespace
+        of host pid `net_of`, the pod's)."""
+        assert self._init is not None, "the holder is not started"
+        enter = ["nsenter", "-t", str(self._init), "-U", "-m", "-p", "--preserve-credentials"]
+        if net_of is not None:
+            enter.append(f"--net=/proc/{net_of}/ns/net")
+        return [*enter, "--"]
+
+    async def mount(
+        self, state: Path, sif: Path, lower: Path | None, targets: tuple[list[str], list[str]]
+    ) -> Path:
+        """Mount a container's root: `lower` (an unpacked root) or else `sif`'s squashfs, under
+        an upper and work folder in `state`; the mount points `targets` (dirs, files) made in
+        it. The merged folder."""
+        assert self._process is not None and self._process.stdin is not None
+        for name in ("upper", "work", "merged", "image"):
+            (state / name).mkdir(parents=True)
+        request: dict[str, object] = {
+            "way": "kernel" if self.way is RootWay.KERNEL else "fuse",
+            "lower": str(lower or state / "image"),
+            "upper": str(state / "upper"),
+            "work": str(state / "work"),
+            "merged": str(state / "merged"),
+            "fuse_overlayfs": helper("fuse-overlayfs"),
+            "dirs": targets[0],
+            "files": targets[1],
+        }
+        if lower is None:
+            partition = root_partition(sif)
+            if partition is None:
+                raise HolderFailed(f"{sif} has no squashfs root to mount")
+            request |= {"sif": str(sif), "offset": partition.offset}
+            request["squashfuse"] = helper("squashfuse_ll")
+        async with self._asking:
+            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            await self._process.stdin.drain()
+            answer = await self._answer(MOUNT_TIMEOUT_S)
+        if not answer.get("ok"):
+            raise HolderFailed(f"{self.way} over {lower or sif}: {answer.get('error')}")
+        return state / "merged"
+
+    async def stop(self) -> None:
+        """End the namespaces: every process and mount in them goes."""
+        process, self._process = self._process, None
+        init, self._init = self._init, None
+        if init is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(init, signal.SIGKILL)
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.communicate()
