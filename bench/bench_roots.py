@@ -82,12 +82,12 @@ def factories(sif: Path, scratch: Path) -> dict[str, Factory]:
     give_up(before, "bench: as before issue 49")
 
     def ours(folder: Path, scratch_dir: Path) -> BaseEnvironment:
+        folder.mkdir(parents=True, exist_ok=True)
         return make_environment(
             SingularityEnvironment, sif, folder, "bench", 4096, scratch_dir=str(scratch_dir)
         )
 
     def first_use(folder: Path) -> BaseEnvironment:
-        folder.mkdir(parents=True, exist_ok=True)
         return ours(folder, Path(tempfile.mkdtemp(prefix="node-", dir=scratch)))
 
     return {

@@ -506,11 +506,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             subids = not missing_subid_ranges()
             path = await asyncio.to_thread(root_path, self._scratch_parent, subids=subids)
         if path is not None and path.way is not None:
-            holder = Holder(path.way)
             try:
-                await holder.start()
+                holder = await Holder.take(path.way)
             except HolderFailed as exc:
-                await holder.stop()
                 give_up(self._scratch_parent, f"its namespaces did not start: {exc}")
             else:
                 self._holder = self._main.holder = holder

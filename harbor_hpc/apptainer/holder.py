@@ -27,12 +27,15 @@ import contextlib
 import itertools
 import json
 import os
+import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -185,27 +188,48 @@ def bind_targets(options: Sequence[str]) -> tuple[list[str], list[str]]:
 
 class Holder:
     """An environment's own user, mount and pid namespaces, in which its containers' roots are
-    mounted (`mount`) and its containers run (`enter`), until `stop`."""
+    mounted (`mount`) and its containers run (`enter`), until `stop`. `take` gives one."""
 
     def __init__(self, way: RootWay) -> None:
         self.way = way
-        self._process: asyncio.subprocess.Process | None = None
+        self._process: subprocess.Popen[bytes] | None = None
         self._init: int | None = None  # the host pid of the namespaces' first process
-        self._asking = asyncio.Lock()
+        self._asking = threading.Lock()
 
-    async def start(self) -> None:
-        self._process = await asyncio.create_subprocess_exec(
-            *HOLD,
-            sys.executable,
-            "-I",
-            "-S",
-            str(template_path("root_holder.py")),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+    @classmethod
+    async def take(cls, way: RootWay) -> Holder:
+        """A started holder: the spare this process started beforehand where it has one (its
+        start is then off the environment's), and another spare started for the next."""
+        with _spares_lock:
+            spare = _spares.pop(way, None)
+            _spares[way] = _starting.submit(cls._started, way)
+        if spare is not None:
+            with contextlib.suppress(HolderFailed):
+                holder = await asyncio.wrap_future(spare)
+                if holder.alive():
+                    return holder
+                await holder.stop()
+        return await asyncio.to_thread(cls._started, way)
+
+    @classmethod
+    def _started(cls, way: RootWay) -> Holder:
+        holder = cls(way)
+        try:
+            holder._start()
+        except BaseException:
+            holder._end()
+            raise
+        return holder
+
+    def _start(self) -> None:
+        self._process = subprocess.Popen(
+            [*HOLD, sys.executable, "-I", "-S", str(template_path("root_holder.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        greeting = await self._answer(START_TIMEOUT_S)
+        greeting = self._answer(START_TIMEOUT_S)
         if "ready" not in greeting:
             raise HolderFailed(f"the namespaces did not start: {greeting}")
         children = psutil.Process(self._process.pid).children()
@@ -213,17 +237,17 @@ class Holder:
             raise HolderFailed("the namespaces' first process is gone")
         self._init = children[0].pid
 
-    async def _answer(self, timeout: float) -> dict[str, object]:
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _answer(self, timeout: float) -> dict[str, object]:
+        """The first process's next line (within `timeout` seconds), parsed."""
         assert self._process is not None and self._process.stdout is not None
-        try:
-            line = await asyncio.wait_for(self._process.stdout.readline(), timeout)
-        except TimeoutError:
-            line = b""
+        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
+        line = self._process.stdout.readline() if ready else b""
         if not line:
-            said = b""
-            if self._process.stderr is not None:
-                with contextlib.suppress(TimeoutError):
-                    said = await asyncio.wait_for(self._process.stderr.read(4096), 2)
+            self._end()
+            said = self._process.stderr.read(4096) if self._process.stderr else b""
             raise HolderFailed(" ".join(said.decode(errors="replace").split()) or "no answer")
         answer: dict[str, object] = json.loads(line)
         return answer
@@ -248,7 +272,6 @@ class Holder:
         """Mount a container's root: `lower` (an unpacked root) or else `sif`'s squashfs, under
         an upper and work folder in `state`; the mount points `targets` (dirs, files) made in
         it. The merged folder."""
-        assert self._process is not None and self._process.stdin is not None
         for name in ("upper", "work", "merged", "image"):
             (state / name).mkdir(parents=True)
         request: dict[str, object] = {
@@ -267,16 +290,27 @@ class Holder:
                 raise HolderFailed(f"{sif} has no squashfs root to mount")
             request |= {"sif": str(sif), "offset": partition.offset}
             request["squashfuse"] = helper("squashfuse_ll")
-        async with self._asking:
-            self._process.stdin.write(json.dumps(request).encode() + b"\n")
-            await self._process.stdin.drain()
-            answer = await self._answer(MOUNT_TIMEOUT_S)
+        answer = await asyncio.to_thread(self._ask, request)
         if not answer.get("ok"):
             raise HolderFailed(f"{self.way} over {lower or sif}: {answer.get('error')}")
         return state / "merged"
 
+    def _ask(self, request: dict[str, object]) -> dict[str, object]:
+        with self._asking:
+            if self._process is None or self._process.stdin is None:
+                raise HolderFailed("the namespaces are gone")
+            try:
+                self._process.stdin.write(json.dumps(request).encode() + b"\n")
+                self._process.stdin.flush()
+            except OSError as exc:
+                raise HolderFailed(f"the namespaces are gone ({exc})") from exc
+            return self._answer(MOUNT_TIMEOUT_S)
+
     async def stop(self) -> None:
         """End the namespaces: every process and mount in them goes."""
+        await asyncio.to_thread(self._end)
+
+    def _end(self) -> None:
         process, self._process = self._process, None
         init, self._init = self._init, None
         if init is not None:
@@ -285,4 +319,10 @@ class Holder:
         if process is not None:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
-            await process.communicate()
+            process.communicate()
+
+
+# Holders started ahead, one per way (`Holder.take`), on a thread of their own.
+_spares: dict[RootWay, Future[Holder]] = {}
+_spares_lock = threading.Lock()
+_starting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harbor-hpc-holder")
