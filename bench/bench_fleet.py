@@ -16,9 +16,10 @@ Goals (issue 12): idle CPU <= 0.1% of a core per environment, all ready in <= 0.
 time, tree PSS <= 0.5x Harbor's. `--harbor-sizes` leaves out fleets of Harbor's that a small
 machine cannot hold.
 
-`--roots` measures ours a second time with `unpacked_roots = "auto"`, as an RL trainer's fleet on
-a reused image runs: the first start marks the image seen, the next unpacks it, and the rest wait
-for its root (roots.py), in a scratch folder of each fleet's own (each fleet pays its unpack).
+Ours runs with its defaults, in a scratch folder of each fleet's own: a node new to the image
+(the fleet's roots over the .sif's squashfs, unpacked in the background meanwhile: roots.py).
+`--roots` measures ours a second time as an RL trainer's fleet on a reused image runs: the
+image unpacked on the node before the fleet starts (two starts, then its root waited for).
 
 Usage: uv run python bench/bench_fleet.py [--sizes 16,32,64] [--harbor-sizes 16,32,64]
            [--harbor-concurrency 8] [--idle-sec 10] [--rounds 5] [--cache-dir DIR]
@@ -115,12 +116,20 @@ def cpu_seconds(processes: list[psutil.Process]) -> dict[tuple[int, float], floa
     return times
 
 
+def roots(environment: BaseEnvironment) -> list[int]:
+    """The roots of an environment's process trees: its container's, and for ours the holder's
+    of its namespaces (holder.py: their first process and the FUSE daemons they hold)."""
+    held = getattr(environment, "_holder", None)
+    return [tree_root(environment), *([held.pid] if held is not None and held.pid else [])]
+
+
 def trees(environments: list[BaseEnvironment]) -> list[psutil.Process]:
     """The process trees of the environments that run."""
     processes = []
     for environment in environments:
         with contextlib.suppress(RuntimeError):
-            processes += tree_processes(tree_root(environment))
+            for root in roots(environment):
+                processes += tree_processes(root)
     return processes
 
 
@@ -179,16 +188,17 @@ async def measure(
     idle_sec: float,
     rounds: int,
     concurrency: int | None = None,
-    unpacked_roots: str = "0",
+    reused: bool = False,
 ) -> Fleet:
     since = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as scratch:
-        # Ours with its roots (if any) in this fleet's scratch: each fleet unpacks its image.
+        # Ours with its roots in this fleet's scratch: a node new to the image, or (`reused`)
+        # one that has unpacked it.
         kwargs = (
-            {"unpacked_roots": unpacked_roots, "scratch_dir": str(Path(scratch) / "scratch")}
-            if cls is SingularityEnvironment
-            else {}
+            {"scratch_dir": str(Path(scratch) / "scratch")} if cls is SingularityEnvironment else {}
         )
+        if reused:
+            await unpack_first(sif, Path(scratch), kwargs)
         environments = [
             make_environment(cls, sif, Path(scratch) / f"trial-{index}", "fleet", 4096, **kwargs)
             for index in range(size)
@@ -209,7 +219,12 @@ async def measure(
             checks = sum(watchdog.checks for watchdog in watchdogs)
             cpu = await idle_cpu(environments, idle_sec)
             checks = sum(watchdog.checks for watchdog in watchdogs) - checks
-            pss = statistics.mean(tree_pss_bytes(tree_root(env)) for env in environments) / MB
+            pss = (
+                statistics.mean(
+                    sum(tree_pss_bytes(root) for root in roots(env)) for env in environments
+                )
+                / MB
+            )
             latencies = []
             for _ in range(rounds):
                 latencies += await asyncio.gather(*(timed_exec(env) for env in environments))
@@ -239,7 +254,7 @@ async def measure(
 def print_fleet(size: int, ours: Fleet, theirs: Fleet | str, roots: Fleet | None) -> None:
     """Ours (the default), ours with unpacked roots where measured, and Harbor's; the ratio and
     the goals are the default's."""
-    head = f"{'harbor-hpc':>12}" + (f"{'roots auto':>12}" if roots else "")
+    head = f"{'harbor-hpc':>12}" + (f"{'reused':>12}" if roots else "")
     print(f"\n{size} environments{'':4}{head}{'harbor':>12}{'ratio':>9}{'goal':>9}")
     theirs_row = theirs.row() if isinstance(theirs, Fleet) else {}
     roots_row = roots.row() if roots else {}
@@ -261,7 +276,7 @@ def print_fleet(size: int, ours: Fleet, theirs: Fleet | str, roots: Fleet | None
                 line += "  ok" if measured <= limit else "  MISSED"
         print(line)
     if size in READY_GOALS:
-        for name, fleet_of in (("harbor-hpc", ours), ("roots auto", roots)):
+        for name, fleet_of in (("harbor-hpc", ours), ("reused", roots)):
             if fleet_of is not None:
                 verdict = "ok" if fleet_of.ready <= READY_GOALS[size] else "MISSED"
                 print(f"  {name}: all ready within {READY_GOALS[size]:.0f} s: {verdict}")
@@ -269,13 +284,29 @@ def print_fleet(size: int, ours: Fleet, theirs: Fleet | str, roots: Fleet | None
         print(f"  our watchdog looked at each tree {ours.watchdog_checks:.1f} times a minute, idle")
     if isinstance(theirs, str):
         print(f"  harbor: {theirs}")
-    for name, fleet in (("harbor-hpc", ours), ("roots auto", roots), ("harbor", theirs)):
+    for name, fleet in (("harbor-hpc", ours), ("reused", roots), ("harbor", theirs)):
         if isinstance(fleet, Fleet) and fleet.left:
             print(f"  {name} left {fleet.left} processes running after stop (killed by the bench)")
 
 
 def sizes(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
+
+
+async def unpack_first(sif: Path, scratch: Path, kwargs: dict[str, str]) -> None:
+    """Start the image twice in `scratch` (the second start unpacks it in the background), then
+    wait for its root."""
+    for number in range(2):
+        environment = make_environment(
+            SingularityEnvironment, sif, scratch / f"warm-{number}", "fleet", 4096, **kwargs
+        )
+        await environment.start(force_build=False)
+        await environment.stop(delete=True)
+    roots = scratch / "scratch" / f"harbor-hpc-roots-{os.getuid()}"
+    deadline = time.monotonic() + 600
+    while not any(path.is_dir() and not path.name.startswith(".") for path in roots.iterdir()):
+        assert time.monotonic() < deadline, f"no root in {roots}"
+        await asyncio.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,15 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--roots",
         action="store_true",
-        help="ours with unpacked_roots=auto too (the fleet waits for its image's root)",
+        help="ours on a reused image too (unpacked on the node before the fleet starts)",
     )
     add_image_arguments(parser)
     args = parser.parse_args(argv)
     harbor_sizes = args.sizes if args.harbor_sizes is None else args.harbor_sizes
-    # Each environment that runs from an unpacked root warns of its limit: once here.
     logging.getLogger("bench").setLevel(logging.ERROR)
-    if args.roots:
-        print("with unpacked_roots=auto, directories cannot be renamed (dpkg fails) in the fleet")
     sif = server_sif(args)
     if sif is None:
         return 2
@@ -306,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = asyncio.run(measure(SingularityEnvironment, sif, size, args.idle_sec, args.rounds))
         roots = None
         if args.roots:
-            print(f"measuring {size} of ours with unpacked_roots=auto ...", flush=True)
+            print(f"measuring {size} of ours on a reused image ...", flush=True)
             roots = asyncio.run(
                 measure(
                     SingularityEnvironment,
@@ -314,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                     size,
                     args.idle_sec,
                     args.rounds,
-                    unpacked_roots="auto",
+                    reused=True,
                 )
             )
         theirs: Fleet | str = "not measured (--harbor-sizes)"

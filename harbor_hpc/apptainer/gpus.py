@@ -11,10 +11,14 @@ visible-devices variables narrowed to its share; a task asking for none gets no 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
 from pathlib import Path
+
+from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.core.proc import run
 
 # Where Slurm (and CUDA/ROCm launchers) say which devices a process may use, most specific first.
 VISIBLE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "SLURM_JOB_GPUS")
@@ -32,6 +36,30 @@ def node_driver() -> str | None:
     if Path("/dev/kfd").exists():
         return "--rocm"
     return None
+
+
+@functools.cache
+def driver_files(driver: str) -> list[str]:
+    """Where Apptainer's `driver` flag (--nv, --rocm) binds the driver's tools and files in a
+    container: each binary its nvliblist.conf (rocmliblist.conf) names that this node has, at
+    /usr/bin/NAME, and each absolute path there that exists. Mount points a --writable root
+    must have (holder.py); its libraries go to DRIVER_LIBS, which every image has."""
+    listed = "nvliblist.conf" if driver == "--nv" else "rocmliblist.conf"
+    ran = run([find_apptainer(), "buildcfg", "SYSCONFDIR"], timeout=30)
+    conf = Path(ran.stdout.strip() or "/etc") / "apptainer" / listed
+    try:
+        lines = conf.read_text().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in (raw.strip() for raw in lines):
+        if not line or line.startswith("#") or ".so" in line:
+            continue
+        if line.startswith("/"):
+            files += [line] if os.path.exists(line) else []
+        elif shutil.which(line):
+            files.append(f"/usr/bin/{line}")
+    return files
 
 
 def given_devices() -> tuple[str, list[str]]:

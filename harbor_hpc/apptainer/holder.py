@@ -42,6 +42,7 @@ from pathlib import Path
 
 import psutil
 
+from harbor_hpc.apptainer.gpus import driver_files
 from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.core.errors import HarborHpcError
@@ -172,9 +173,12 @@ def _try_overlay(scratch: Path, way: RootWay) -> str | None:
 
 def bind_targets(options: Sequence[str]) -> tuple[list[str], list[str]]:
     """The folders and files Apptainer's `-B SOURCE:TARGET[:OPTIONS]` options in `options` bind
-    onto: their mount points, which a --writable root must have."""
+    onto (and its --nv or --rocm, the GPU driver's tools): their mount points, which a --writable
+    root must have."""
     dirs: list[str] = list(BASE_DIRS)
     files: list[str] = []
+    for driver in {"--nv", "--rocm"} & set(options):
+        files += driver_files(driver)
     for flag, value in itertools.pairwise(options):
         if flag not in {"-B", "--bind"}:
             continue
@@ -243,8 +247,9 @@ class Holder:
     def _answer(self, timeout: float) -> dict[str, object]:
         """The first process's next line (within `timeout` seconds), parsed."""
         assert self._process is not None and self._process.stdout is not None
-        ready, _, _ = select.select([self._process.stdout], [], [], timeout)
-        line = self._process.stdout.readline() if ready else b""
+        answering = select.poll()  # not select(): a fleet's descriptors pass 1024
+        answering.register(self._process.stdout, select.POLLIN)
+        line = self._process.stdout.readline() if answering.poll(timeout * 1000) else b""
         if not line:
             self._end()
             said = self._process.stderr.read(4096) if self._process.stderr else b""

@@ -31,9 +31,11 @@ from harbor_hpc.apptainer.errors import (
     MemoryLimitExceededError,
     UnsupportedTask,
 )
+from harbor_hpc.apptainer.holder import RootWay, root_path
 from harbor_hpc.apptainer.limits import ONE_ID, read_limits
 from harbor_hpc.apptainer.network import egress_problem, netns_problem, own_network_problem
 from harbor_hpc.apptainer.probes import (
+    container_root_finding,
     missing_subid_ranges,
     network_finding,
     network_policy_finding,
@@ -331,6 +333,36 @@ def test_the_watchdog_sees_the_whole_container(
                 await environment.exec(hog, timeout_sec=60)
 
     asyncio.run(main())
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_the_root_takes_the_path_doctor_names_and_installs_packages(
+    fidelity_sif: Path, tmp_path: Path
+) -> None:
+    """Every CI stage runs this: the container's root is what doctor's `container root` line
+    names for the node (this machine, Linux 6.18, with a subuid range: the kernel's overlay in a
+    namespace of our own; without one, Apptainer's own), and on it directories of the image
+    are renamed and a package is installed with dpkg, as under Docker."""
+    path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
+    assert container_root_finding().detail == path.describe()
+    assert (path.way is RootWay.KERNEL) == (not missing_subid_ranges()), path
+    package = (
+        "mkdir -p /tmp/p/DEBIAN /tmp/p/usr/share/hh-pkg"
+        " && printf 'Package: hh-pkg\\nVersion: 1\\nArchitecture: all\\nMaintainer: t <t@t>\\n"
+        "Description: t\\n' > /tmp/p/DEBIAN/control && echo 42 > /tmp/p/usr/share/hh-pkg/answer"
+        " && dpkg-deb --build /tmp/p /tmp/p.deb >/dev/null && dpkg -i /tmp/p.deb >/dev/null"
+        " && cat /usr/share/hh-pkg/answer && mv /usr/share/doc /usr/share/doc.old && echo renamed"
+    )
+
+    async def main() -> tuple[str, str]:
+        async with started(fidelity_sif, tmp_path) as environment:
+            root = await run(environment, "awk '$2 == \"/\" {print $3}' /proc/mounts | tail -n 1")
+            return root, await run(environment, package)
+
+    root, installed = asyncio.run(main())
+    assert root == ("overlay\n" if path.way is RootWay.KERNEL else "fuse.fuse-overlayfs\n")
+    assert installed == "42\nrenamed\n"
 
 
 @pytest.mark.apptainer
