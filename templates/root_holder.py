@@ -22,7 +22,8 @@ def run(argv, pass_fds=()):
     )
     if done.returncode != 0:
         said = (done.stderr or done.stdout).decode(errors="replace").strip()
-        raise OSError(f"{os.path.basename(argv[0])}: {said or 'exit status %d' % done.returncode}")
+        said = said or f"exit status {done.returncode}"
+        raise OSError(f"{os.path.basename(argv[0])}: {said}")
 
 
 def make_targets(merged, dirs, files):
