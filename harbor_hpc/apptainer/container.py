@@ -25,7 +25,7 @@ import psutil
 
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
 from harbor_hpc.apptainer.errors import ContainerDied, ContainerStartFailed
-from harbor_hpc.apptainer.holder import Holder, bind_targets
+from harbor_hpc.apptainer.holder import ONE_ID_FLAGS, Holder, bind_targets
 from harbor_hpc.apptainer.runtime import DEFAULT_NO_MOUNT, task_container_command
 from harbor_hpc.apptainer.sif import ImageConfig, root_partition
 from harbor_hpc.apptainer.watchdog import (
@@ -186,9 +186,12 @@ class Container:
         """The command starting the container's server in `workdir`: Apptainer with `flags`
         (`run_flags`) and `options` on the .sif, or, in its holder's namespaces (and the network
         namespace of host pid `net_of`), as root there on its own root."""
+        if self.holder is not None:
+            # Root there already; without a subuid range, Apptainer's fakeroot command too.
+            flags = () if self.holder.subids else ONE_ID_FLAGS
         apptainer = task_container_command(
             self.image_path,
-            () if self.holder else flags,
+            flags,
             launcher(workdir),
             overlay=None if self.holder else self.overlay,
             own_network=own_network,

@@ -273,8 +273,13 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._poll_interval = options.memory_poll_interval_sec
         self._scratch_root = options.scratch_dir.expanduser() if options.scratch_dir else None
         self._extra_hosts = parse_extra_hosts(options.extra_hosts)
-        # The images unpacked on the node: the lower folders of containers' own roots.
-        self._roots = UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
+        # The images unpacked on the node: the lower folders of containers' own roots (their
+        # owners kept by the user's subuid range: without one, none).
+        self._roots = (
+            None
+            if missing_subid_ranges()
+            else UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
+        )
         self._root_leases: list[Lease] = []
         # The namespaces the containers' own roots are mounted in (holder.py), where they are.
         self._holder: Holder | None = None
@@ -507,7 +512,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             path = await asyncio.to_thread(root_path, self._scratch_parent, subids=subids)
         if path is not None and path.way is not None:
             try:
-                holder = await Holder.take(path.way)
+                holder = await Holder.take(path)
             except HolderFailed as exc:
                 give_up(self._scratch_parent, f"its namespaces did not start: {exc}")
             else:
@@ -516,7 +521,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                     "task %s: container root: %s", self.environment_name, path.describe()
                 )
                 return ()
-            path = root_path(self._scratch_parent, subids=True)
+            path = root_path(self._scratch_parent, subids=subids)
         if path is not None:
             self.logger.warning(
                 "task %s: container root: %s", self.environment_name, path.describe()

@@ -4,7 +4,9 @@ Apptainer mounts its kernel overlay without `userxattr`: in its user namespace t
 keep its xattrs, and renaming a directory fails (EXDEV: dpkg fails). From a .sif it stacks
 fuse-overlayfs on squashfuse instead, two FUSE daemons every file goes through. So each
 environment holds a user, mount and pid namespace of its own (`Holder`: root there is the user,
-the user's /etc/subuid range the image's other users, as Apptainer's --fakeroot maps them), and in
+the user's /etc/subuid range the image's other users, as Apptainer's --fakeroot maps them; a user
+without a range is root alone there, and Apptainer's fakeroot command, nested, fakes the rest, as
+Apptainer alone does for that user), and in
 it mounts each of its containers' roots: the kernel's overlay with `userxattr` (Linux 5.11 and
 later), its lower the image unpacked on the node (roots.py) or else the .sif's squashfs through
 squashfuse (a first use needs no unpack), its upper and work folders on the trial's scratch disk.
@@ -12,8 +14,7 @@ Apptainer runs nested in the namespaces, as root there, on the merged folder wit
 
 Where a node refuses a step, the next best (`root_path`, asked once per process and scratch
 disk): fuse-overlayfs mounted in our namespace (kernels before 5.11), then Apptainer's own
-overlay on the .sif (no user namespaces of our own, no subordinate id range, no overlay or FUSE
-a user may mount). `harbor-hpc doctor` says which path the node takes and why.
+overlay on the .sif (no user namespaces of our own, no overlay or FUSE a user may mount). `harbor-hpc doctor` says which path the node takes and why.
 
 The namespaces' first process (templates/root_holder.py) mounts what the driver asks, reaps the
 namespace's orphans, and ends when the driver does, even by SIGKILL: its stdin is the driver's
@@ -51,9 +52,21 @@ from harbor_hpc.core.scratch import remove_private_dir
 from harbor_hpc.core.templates import template_path
 
 HOLD = (
-    *("unshare", "--user", "--map-root-user", "--map-auto", "--mount", "--pid"),
+    *("unshare", "--user", "--map-root-user", "--mount", "--pid"),
     *("--fork", "--kill-child", "--mount-proc"),
 )
+# The user's /etc/subuid and /etc/subgid ranges for the image's other users, as --fakeroot maps
+# them; without a range, root alone, and Apptainer's fakeroot command (nested: `--fakeroot`)
+# fakes the rest, as Apptainer alone does for such a user.
+WITH_RANGES = ("--map-auto",)
+ONE_ID_FLAGS = ("--fakeroot",)
+
+
+def hold(subids: bool) -> tuple[str, ...]:
+    """`unshare` making the namespaces, mapping the user's ranges where `subids`."""
+    return (*HOLD, *WITH_RANGES) if subids else HOLD
+
+
 # Mount points every container needs in its root (Apptainer makes none in a --writable folder).
 BASE_DIRS = ("/dev", "/proc", "/sys", "/tmp", "/var/tmp")
 START_TIMEOUT_S = 30.0
@@ -76,12 +89,18 @@ class RootPath:
 
     way: RootWay | None
     why: str = ""
+    subids: bool = True  # the namespaces map the user's /etc/subuid range (else root alone)
 
     def describe(self) -> str:
+        ids = (
+            ""
+            if self.subids
+            else " (root alone: no /etc/subuid range; Apptainer's fakeroot command fakes the rest)"
+        )
         if self.way is RootWay.KERNEL:
-            return "the kernel's overlay (userxattr) in a user namespace of its own"
+            return f"the kernel's overlay (userxattr) in a user namespace of its own{ids}"
         if self.way is RootWay.FUSE:
-            return f"fuse-overlayfs in a user namespace of its own ({self.why})"
+            return f"fuse-overlayfs in a user namespace of its own{ids} ({self.why})"
         return f"Apptainer's own overlay on the .sif ({self.why})"
 
 
@@ -102,7 +121,7 @@ def helper(name: str) -> str | None:
     return str(shipped) if os.access(shipped, os.X_OK) else None
 
 
-_paths: dict[Path, RootPath] = {}
+_paths: dict[tuple[Path, bool], RootPath] = {}
 _paths_lock = threading.Lock()
 
 
@@ -110,40 +129,39 @@ def give_up(scratch: Path, why: str) -> None:
     """This process's containers with upper folders in `scratch` take Apptainer's own overlay
     from now on: `why` (the site refused a folder as a container, say)."""
     with _paths_lock:
-        _paths[scratch] = RootPath(None, why)
+        for subids in (False, True):
+            _paths[scratch, subids] = RootPath(None, why, subids)
 
 
 def root_path(scratch: Path, *, subids: bool) -> RootPath:
     """The path containers' roots take with upper folders in `scratch` for this user (`subids`:
     whether the user has an /etc/subuid and /etc/subgid range): tried once per process."""
     with _paths_lock:
-        if scratch not in _paths:
-            _paths[scratch] = _probe(scratch, subids)
-        return _paths[scratch]
+        if (scratch, subids) not in _paths:
+            _paths[scratch, subids] = _probe(scratch, subids)
+        return _paths[scratch, subids]
 
 
 def _probe(scratch: Path, subids: bool) -> RootPath:
-    if not subids:
-        return RootPath(None, "you have no /etc/subuid and /etc/subgid range to own its files with")
     if {",", ":"} & set(str(scratch)):
-        return RootPath(
-            None, f"the scratch folder {scratch} holds ',' or ':', which overlays refuse"
-        )
+        why = f"the scratch folder {scratch} holds ',' or ':' (overlays refuse it)"
+        return RootPath(None, why, subids)
     if helper("squashfuse_ll") is None:
-        return RootPath(None, "no squashfuse_ll (squashfuse) to mount the .sif with")
-    kernel = _try_overlay(scratch, RootWay.KERNEL)
+        return RootPath(None, "no squashfuse_ll (squashfuse) to mount the .sif with", subids)
+    kernel = _try_overlay(scratch, RootWay.KERNEL, subids)
     if kernel is None:
-        return RootPath(RootWay.KERNEL)
+        return RootPath(RootWay.KERNEL, "", subids)
     if "unrecognized option" in kernel:
-        return RootPath(None, f"this node's unshare is older than util-linux 2.38: {kernel}")
+        why = f"this node's unshare is older than util-linux 2.38: {kernel}"
+        return RootPath(None, why, subids)
     why = f"the kernel's overlay with userxattr (Linux 5.11 and later) refused: {kernel}"
-    fuse = _try_overlay(scratch, RootWay.FUSE)
+    fuse = _try_overlay(scratch, RootWay.FUSE, subids)
     if fuse is None:
-        return RootPath(RootWay.FUSE, why)
-    return RootPath(None, f"{why}; fuse-overlayfs too: {fuse}")
+        return RootPath(RootWay.FUSE, why, subids)
+    return RootPath(None, f"{why}; fuse-overlayfs too: {fuse}", subids)
 
 
-def _try_overlay(scratch: Path, way: RootWay) -> str | None:
+def _try_overlay(scratch: Path, way: RootWay, subids: bool) -> str | None:
     """Mount `way` in a namespace of our own over a lower folder in `scratch`, and rename a
     directory of the lower in it: None when that works, else why not."""
     program = helper("fuse-overlayfs") if way is RootWay.FUSE else "mount"
@@ -163,7 +181,7 @@ def _try_overlay(scratch: Path, way: RootWay) -> str | None:
             else f"mount -t overlay overlay -o {dirs},userxattr {folder}/merged"
         )
         done = run(
-            [*HOLD, "sh", "-c", f"{mount} && mv {folder}/merged/a {folder}/merged/b"],
+            [*hold(subids), "sh", "-c", f"{mount} && mv {folder}/merged/a {folder}/merged/b"],
             timeout=START_TIMEOUT_S,
         )
         return None if done.ok else " ".join(done.why().split())
@@ -194,30 +212,34 @@ class Holder:
     """An environment's own user, mount and pid namespaces, in which its containers' roots are
     mounted (`mount`) and its containers run (`enter`), until `stop`. `take` gives one."""
 
-    def __init__(self, way: RootWay) -> None:
+    def __init__(self, way: RootWay, subids: bool) -> None:
         self.way = way
+        self.subids = subids
         self._process: subprocess.Popen[bytes] | None = None
         self._init: int | None = None  # the host pid of the namespaces' first process
         self._asking = threading.Lock()
 
     @classmethod
-    async def take(cls, way: RootWay) -> Holder:
-        """A started holder: the spare this process started beforehand where it has one (its
-        start is then off the environment's), and another spare started for the next."""
+    async def take(cls, path: RootPath) -> Holder:
+        """A started holder for `path` (its way and ids): the spare this process started
+        beforehand where it has one (its start is then off the environment's), and another
+        spare started for the next."""
+        assert path.way is not None
+        way, subids = path.way, path.subids
         with _spares_lock:
-            spare = _spares.pop(way, None)
-            _spares[way] = _starting.submit(cls._started, way)
+            spare = _spares.pop((way, subids), None)
+            _spares[way, subids] = _starting.submit(cls._started, way, subids)
         if spare is not None:
             with contextlib.suppress(HolderFailed):
                 holder = await asyncio.wrap_future(spare)
                 if holder.alive():
                     return holder
                 await holder.stop()
-        return await asyncio.to_thread(cls._started, way)
+        return await asyncio.to_thread(cls._started, way, subids)
 
     @classmethod
-    def _started(cls, way: RootWay) -> Holder:
-        holder = cls(way)
+    def _started(cls, way: RootWay, subids: bool) -> Holder:
+        holder = cls(way, subids)
         try:
             holder._start()
         except BaseException:
@@ -227,7 +249,7 @@ class Holder:
 
     def _start(self) -> None:
         self._process = subprocess.Popen(
-            [*HOLD, sys.executable, "-I", "-S", str(template_path("root_holder.py"))],
+            [*hold(self.subids), sys.executable, "-I", "-S", str(template_path("root_holder.py"))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -327,7 +349,7 @@ class Holder:
             process.communicate()
 
 
-# Holders started ahead, one per way (`Holder.take`), on a thread of their own.
-_spares: dict[RootWay, Future[Holder]] = {}
+# Holders started ahead, one per way and mapping (`Holder.take`), on a thread of their own.
+_spares: dict[tuple[RootWay, bool], Future[Holder]] = {}
 _spares_lock = threading.Lock()
 _starting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harbor-hpc-holder")

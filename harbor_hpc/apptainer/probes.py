@@ -546,7 +546,7 @@ def task_container_finding(image: Path) -> Finding:
             Status.WARN,
             "this node's apptainer.conf turns Apptainer's overlays off (enable overlay = no): "
             f"task containers take {own.describe()} (the container root line), never Apptainer's",
-            "users without that path need `enable overlay = yes` in apptainer.conf",
+            "tasks with fakeroot=false need `enable overlay = yes` in apptainer.conf",
         )
     return Finding(
         "task container",

@@ -16,7 +16,6 @@ import pytest
 from harbor_hpc.apptainer import holder, probes, runtime
 from harbor_hpc.apptainer.errors import ContainerStartFailed
 from harbor_hpc.apptainer.limits import WRITABLE_TMPFS, read_limits
-from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.core.probe import Finding, Status
 from tests.support.environments import make_environment
 
@@ -68,14 +67,8 @@ def container_finding(cache_dir: Path) -> Finding:
 @pytest.mark.parametrize(
     ("key", "value", "status", "fix"),
     [
-        # Where the node takes a root of our own, tasks run (Apptainer's overlay unused).
-        pytest.param(
-            "enable overlay",
-            "no",
-            Status.MISSING if missing_subid_ranges() else Status.WARN,
-            "`enable overlay = yes`",
-            id="enable overlay-no",
-        ),
+        # The node takes roots of our own: tasks run (Apptainer's overlays unused).
+        ("enable overlay", "no", Status.WARN, "`enable overlay = yes`"),
         ("allow container dir", "no", Status.WARN, "`allow container dir = yes`"),
         ("allow container sif", "no", Status.MISSING, "`allow container sif = yes`"),
         ("enable fusemount", "no", Status.OK, ""),
@@ -122,11 +115,11 @@ def test_no_overlay_folders_write_in_memory_and_say_so(
     assert WRITABLE_TMPFS in limits
 
 
-def test_overlays_off_leave_roots_of_our_own_and_refuse_the_rest_naming_the_setting(
+def test_overlays_off_leave_roots_of_our_own(
     site: Policy, debian_sif: Path, tmp_path: Path
 ) -> None:
-    """`enable overlay = no` turns Apptainer's overlays off, not ours: a user with a subuid
-    range gets a writable root as ever; one without (a CI stage) is refused, naming the key."""
+    """`enable overlay = no` turns Apptainer's overlays off, not ours: a task's root is as
+    writable as ever."""
     site("enable overlay", "no")
 
     async def main() -> str:
@@ -137,13 +130,7 @@ def test_overlays_off_leave_roots_of_our_own_and_refuse_the_rest_naming_the_sett
         finally:
             await env.stop(delete=True)
 
-    if not missing_subid_ranges():
-        assert asyncio.run(main()) == "42\n"
-        return
-    with pytest.raises(
-        ContainerStartFailed, match=r"enable overlay = no\).*`enable overlay = yes`"
-    ):
-        asyncio.run(main())
+    assert asyncio.run(main()) == "42\n"
 
 
 def test_extra_bind_paths_stay_out_of_the_container(

@@ -341,12 +341,13 @@ def test_the_root_takes_the_path_doctor_names_and_installs_packages(
     fidelity_sif: Path, tmp_path: Path
 ) -> None:
     """Every CI stage runs this: the container's root is what doctor's `container root` line
-    names for the node (this machine, Linux 6.18, with a subuid range: the kernel's overlay in a
-    namespace of our own; without one, Apptainer's own), and on it directories of the image
-    are renamed and a package is installed with dpkg, as under Docker."""
+    names for the node (this machine, Linux 6.18: the kernel's overlay in a namespace of our
+    own, which maps the user's subuid range, or root alone with Apptainer's fakeroot command
+    where there is none), and on it directories of the image are renamed and a package is
+    installed with dpkg, as under Docker."""
     path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
     assert container_root_finding().detail == path.describe()
-    assert (path.way is RootWay.KERNEL) == (not missing_subid_ranges()), path
+    assert path.way is RootWay.KERNEL and path.subids == (not missing_subid_ranges()), path
     package = (
         "mkdir -p /tmp/p/DEBIAN /tmp/p/usr/share/hh-pkg"
         " && printf 'Package: hh-pkg\\nVersion: 1\\nArchitecture: all\\nMaintainer: t <t@t>\\n"
