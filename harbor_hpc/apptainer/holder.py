@@ -14,7 +14,9 @@ Apptainer runs nested in the namespaces, as root there, on the merged folder wit
 
 Where a node refuses a step, the next best (`root_path`, asked once per process and scratch
 disk): fuse-overlayfs mounted in our namespace (kernels before 5.11), then Apptainer's own
-overlay on the .sif (no user namespaces of our own, no overlay or FUSE a user may mount). `harbor-hpc doctor` says which path the node takes and why.
+overlay on the .sif (no user namespaces of our own, no overlay or FUSE a user may mount).
+`harbor-hpc doctor` says which path the node takes and why. Holders are started ahead (a spare
+per process, `Holder.take`), so their start is off the environment's.
 
 The namespaces' first process (templates/root_holder.py) mounts what the driver asks, reaps the
 namespace's orphans, and ends when the driver does, even by SIGKILL: its stdin is the driver's

@@ -36,14 +36,17 @@ def remove_private_dir(folder: Path) -> bool:
 
     Files the container's other users made in the overlay (apt's `_apt`, a task's `USER`) belong
     to the user's subordinate uids on the host, which only a user namespace holding the same
-    mapping can delete: `unshare --map-auto` makes one without starting a container.
+    mapping can delete: `unshare --map-auto` makes one without starting a container. A folder the
+    kernel's overlay left unreadable (its `work/work`, mode 000) takes root of a namespace too.
     """
     shutil.rmtree(folder, ignore_errors=True)
-    if folder.exists() and shutil.which("unshare"):
-        run(
-            ["unshare", "--map-root-user", "--map-auto", "rm", "-rf", "--", str(folder)],
-            timeout=300,
-        )
+    # With the user's ranges; without them (a user with none), root alone, who may still
+    # enter the folders an overlay leaves unreadable (its work/work, mode 000).
+    for ranges in (("--map-auto",), ()):
+        if folder.exists() and shutil.which("unshare"):
+            run(
+                ["unshare", "--map-root-user", *ranges, "rm", "-rf", "--", str(folder)], timeout=300
+            )
     return not folder.exists()
 
 

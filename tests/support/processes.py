@@ -4,6 +4,9 @@ Tests run side by side (pytest-xdist), so the user's other containers may be run
 test checks that its own left nothing: a container is told apart by its image. Apptainer's FUSE
 mounts of an image (its root, the overlay on it) name it by a descriptor (/proc/self/fd/N), not
 by its path, but hold it open; they run in the container's user namespace, beside its starter.
+So does the squashfuse_ll under a root of our own (apptainer/holder.py), beside the holder's
+first process: one whose holder another process's environment holds (its `unshare` has a live
+parent other than this test's process) is that environment's, not a leftover.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ def container_processes(sif: Path) -> list[str]:
         and process.info["uids"].real == os.getuid()
         and process.info["status"] != psutil.STATUS_ZOMBIE  # ended: its parent has yet to reap it
     ]
-    of_sif = {process.pid for process in mine if _names(process, str(sif))}
+    by_pid = {process.pid: process for process in mine}
+    others = {process.pid for process in mine if _held_for_another(process, by_pid)}
+    of_sif = {p.pid for p in mine if p.pid not in others and _names(p, str(sif))}
     namespace_of = {process.pid: _user_namespace(process.pid) for process in mine}
     namespaces = {namespace_of[pid] for pid in of_sif} - {None, own_namespace}
     names = {process.pid: process.info["name"] for process in mine}
@@ -44,11 +49,31 @@ def container_processes(sif: Path) -> list[str]:
         orphan_mount = (
             process.info["name"] in FUSE_HELPERS
             and names.get(process.info["ppid"]) != STARTER
+            and not _is_holder(by_pid.get(process.info["ppid"]))
             and namespace != own_namespace  # not a test's own FUSE mount (small_disk.py)
         )
         if process.pid in of_sif or orphan_mount or namespace in namespaces:
             found.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])}")
     return found
+
+
+def _is_holder(process: psutil.Process | None) -> bool:
+    """Whether `process` is a root holder's `unshare` or its first process (holder.py)."""
+    return process is not None and "root_holder.py" in " ".join(process.info["cmdline"] or [])
+
+
+def _held_for_another(process: psutil.Process, by_pid: dict[int, psutil.Process]) -> bool:
+    """Whether `process` runs under a root holder whose environment another live process
+    holds (the holder's `unshare` has a live parent, not this test's process)."""
+    seen = 0
+    while process is not None and seen < 8:
+        parent = by_pid.get(process.info["ppid"])
+        if parent is None:
+            return False
+        if _is_holder(process) and not _is_holder(parent):  # the `unshare`: its parent
+            return parent.pid != os.getpid()
+        process, seen = parent, seen + 1
+    return False
 
 
 def _names(process: psutil.Process, path: str) -> bool:
