@@ -67,10 +67,7 @@ def mount(request):
     os.chown(request["upper"], image_root.st_uid, image_root.st_gid)
     os.chmod(request["upper"], stat.S_IMODE(image_root.st_mode))
     dirs = f"lowerdir={lower},upperdir={request['upper']},workdir={request['work']}"
-    if request["way"] == "kernel":
-        run(["mount", "-t", "overlay", "overlay", "-o", dirs + ",userxattr", request["merged"]])
-    else:
-        run([request["fuse_overlayfs"], "-o", dirs + ",allow_other", request["merged"]])
+    run(["mount", "-t", "overlay", "overlay", "-o", dirs + ",userxattr", request["merged"]])
     make_targets(request["merged"], request.get("dirs", []), request.get("files", []))
 
 

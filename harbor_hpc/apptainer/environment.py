@@ -510,7 +510,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if self._fakeroot:
             subids = not missing_subid_ranges()
             path = await asyncio.to_thread(root_path, self._scratch_parent, subids=subids)
-        if path is not None and path.way is not None:
+        if path is not None and path.own:
             try:
                 holder = await Holder.take(path)
             except HolderFailed as exc:

@@ -12,9 +12,11 @@ later), its lower the image unpacked on the node (roots.py) or else the .sif's s
 squashfuse (a first use needs no unpack), its upper and work folders on the trial's scratch disk.
 Apptainer runs nested in the namespaces, as root there, on the merged folder with `--writable`.
 
-Where a node refuses a step, the next best (`root_path`, asked once per process and scratch
-disk): fuse-overlayfs mounted in our namespace (kernels before 5.11), then Apptainer's own
-overlay on the .sif (no user namespaces of our own, no overlay or FUSE a user may mount).
+Where a node refuses it (`root_path`, asked once per process and scratch disk), the next best:
+Apptainer's own overlay on the .sif (kernels before 5.11, no user namespaces of our own, a
+scratch disk the overlay takes no upper on). fuse-overlayfs mounted in our namespace was tried
+as a step between: dpkg and renames work there, but the image's other users cannot execute
+its files (`su nobody -c sh`: "Operation not supported"), which Apptainer's own overlay allows.
 `harbor-hpc doctor` says which path the node takes and why. Holders are started ahead (a spare
 per process, `Holder.take`), so their start is off the environment's.
 
@@ -40,7 +42,6 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 import psutil
@@ -75,21 +76,12 @@ START_TIMEOUT_S = 30.0
 MOUNT_TIMEOUT_S = 150.0
 
 
-class RootWay(StrEnum):
-    """How a container's root is mounted: the kernel's overlay or fuse-overlayfs, in our own
-    namespaces."""
-
-    KERNEL = "kernel overlay"
-    FUSE = "fuse-overlayfs"
-
-
 @dataclass(frozen=True)
 class RootPath:
-    """The path containers' roots take on a node: `way` in our own namespaces, or None for
-    Apptainer's own overlay on the .sif; `why` says why not a faster one (empty for the
-    fastest)."""
+    """The path containers' roots take on a node: `own` (the kernel's overlay in our own
+    namespaces), or Apptainer's own overlay on the .sif, `why` saying why."""
 
-    way: RootWay | None
+    own: bool
     why: str = ""
     subids: bool = True  # the namespaces map the user's /etc/subuid range (else root alone)
 
@@ -99,10 +91,8 @@ class RootPath:
             if self.subids
             else " (root alone: no /etc/subuid range; Apptainer's fakeroot command fakes the rest)"
         )
-        if self.way is RootWay.KERNEL:
+        if self.own:
             return f"the kernel's overlay (userxattr) in a user namespace of its own{ids}"
-        if self.way is RootWay.FUSE:
-            return f"fuse-overlayfs in a user namespace of its own{ids} ({self.why})"
         return f"Apptainer's own overlay on the .sif ({self.why})"
 
 
@@ -111,7 +101,7 @@ class HolderFailed(RuntimeError):
 
 
 def helper(name: str) -> str | None:
-    """`name` (squashfuse_ll, fuse-overlayfs) on PATH, else the one Apptainer ships beside it."""
+    """`name` (squashfuse_ll) on PATH, else the one Apptainer ships beside it."""
     found = shutil.which(name)
     if found:
         return found
@@ -132,7 +122,7 @@ def give_up(scratch: Path, why: str) -> None:
     from now on: `why` (the site refused a folder as a container, say)."""
     with _paths_lock:
         for subids in (False, True):
-            _paths[scratch, subids] = RootPath(None, why, subids)
+            _paths[scratch, subids] = RootPath(False, why, subids)
 
 
 def root_path(scratch: Path, *, subids: bool) -> RootPath:
@@ -147,28 +137,21 @@ def root_path(scratch: Path, *, subids: bool) -> RootPath:
 def _probe(scratch: Path, subids: bool) -> RootPath:
     if {",", ":"} & set(str(scratch)):
         why = f"the scratch folder {scratch} holds ',' or ':' (overlays refuse it)"
-        return RootPath(None, why, subids)
+        return RootPath(False, why, subids)
     if helper("squashfuse_ll") is None:
-        return RootPath(None, "no squashfuse_ll (squashfuse) to mount the .sif with", subids)
-    kernel = _try_overlay(scratch, RootWay.KERNEL, subids)
-    if kernel is None:
-        return RootPath(RootWay.KERNEL, "", subids)
-    if "unrecognized option" in kernel:
-        why = f"this node's unshare is older than util-linux 2.38: {kernel}"
-        return RootPath(None, why, subids)
-    why = f"the kernel's overlay with userxattr (Linux 5.11 and later) refused: {kernel}"
-    fuse = _try_overlay(scratch, RootWay.FUSE, subids)
-    if fuse is None:
-        return RootPath(RootWay.FUSE, why, subids)
-    return RootPath(None, f"{why}; fuse-overlayfs too: {fuse}", subids)
+        return RootPath(False, "no squashfuse_ll (squashfuse) to mount the .sif with", subids)
+    refused = _try_overlay(scratch, subids)
+    if refused is None:
+        return RootPath(True, "", subids)
+    if "unrecognized option" in refused:
+        return RootPath(False, f"this node's unshare is older than util-linux 2.38: {refused}")
+    why = f"the kernel's overlay with userxattr (Linux 5.11 and later) refused: {refused}"
+    return RootPath(False, why, subids)
 
 
-def _try_overlay(scratch: Path, way: RootWay, subids: bool) -> str | None:
-    """Mount `way` in a namespace of our own over a lower folder in `scratch`, and rename a
-    directory of the lower in it: None when that works, else why not."""
-    program = helper("fuse-overlayfs") if way is RootWay.FUSE else "mount"
-    if program is None:
-        return "no fuse-overlayfs"
+def _try_overlay(scratch: Path, subids: bool) -> str | None:
+    """Mount the kernel's overlay in a namespace of our own over a lower folder in `scratch`,
+    and rename a directory of the lower in it: None when that works, else why not."""
     try:
         folder = Path(tempfile.mkdtemp(prefix="harbor-hpc-probe-", dir=scratch))
     except OSError as exc:
@@ -177,11 +160,7 @@ def _try_overlay(scratch: Path, way: RootWay, subids: bool) -> str | None:
         for name in ("lower/a", "upper", "work", "merged"):
             (folder / name).mkdir(parents=True)
         dirs = f"lowerdir={folder}/lower,upperdir={folder}/upper,workdir={folder}/work"
-        mount = (
-            f"{program} -o {dirs},allow_other {folder}/merged"
-            if way is RootWay.FUSE
-            else f"mount -t overlay overlay -o {dirs},userxattr {folder}/merged"
-        )
+        mount = f"mount -t overlay overlay -o {dirs},userxattr {folder}/merged"
         done = run(
             [*hold(subids), "sh", "-c", f"{mount} && mv {folder}/merged/a {folder}/merged/b"],
             timeout=START_TIMEOUT_S,
@@ -214,8 +193,7 @@ class Holder:
     """An environment's own user, mount and pid namespaces, in which its containers' roots are
     mounted (`mount`) and its containers run (`enter`), until `stop`. `take` gives one."""
 
-    def __init__(self, way: RootWay, subids: bool) -> None:
-        self.way = way
+    def __init__(self, subids: bool) -> None:
         self.subids = subids
         self._process: subprocess.Popen[bytes] | None = None
         self._init: int | None = None  # the host pid of the namespaces' first process
@@ -223,25 +201,25 @@ class Holder:
 
     @classmethod
     async def take(cls, path: RootPath) -> Holder:
-        """A started holder for `path` (its way and ids): the spare this process started
-        beforehand where it has one (its start is then off the environment's), and another
-        spare started for the next."""
-        assert path.way is not None
-        way, subids = path.way, path.subids
+        """A started holder for `path` (its ids): the spare this process started beforehand
+        where it has one (its start is then off the environment's), and another spare started
+        for the next."""
+        assert path.own
+        subids = path.subids
         with _spares_lock:
-            spare = _spares.pop((way, subids), None)
-            _spares[way, subids] = _starting.submit(cls._started, way, subids)
+            spare = _spares.pop(subids, None)
+            _spares[subids] = _starting.submit(cls._started, subids)
         if spare is not None:
             with contextlib.suppress(HolderFailed):
                 holder = await asyncio.wrap_future(spare)
                 if holder.alive():
                     return holder
                 await holder.stop()
-        return await asyncio.to_thread(cls._started, way, subids)
+        return await asyncio.to_thread(cls._started, subids)
 
     @classmethod
-    def _started(cls, way: RootWay, subids: bool) -> Holder:
-        holder = cls(way, subids)
+    def _started(cls, subids: bool) -> Holder:
+        holder = cls(subids)
         try:
             holder._start()
         except BaseException:
@@ -304,12 +282,10 @@ class Holder:
         for name in ("upper", "work", "merged", "image"):
             (state / name).mkdir(parents=True)
         request: dict[str, object] = {
-            "way": "kernel" if self.way is RootWay.KERNEL else "fuse",
             "lower": str(lower or state / "image"),
             "upper": str(state / "upper"),
             "work": str(state / "work"),
             "merged": str(state / "merged"),
-            "fuse_overlayfs": helper("fuse-overlayfs"),
             "dirs": targets[0],
             "files": targets[1],
         }
@@ -321,7 +297,7 @@ class Holder:
             request["squashfuse"] = helper("squashfuse_ll")
         answer = await asyncio.to_thread(self._ask, request)
         if not answer.get("ok"):
-            raise HolderFailed(f"{self.way} over {lower or sif}: {answer.get('error')}")
+            raise HolderFailed(f"its root over {lower or sif}: {answer.get('error')}")
         return state / "merged"
 
     def _ask(self, request: dict[str, object]) -> dict[str, object]:
@@ -351,7 +327,7 @@ class Holder:
             process.communicate()
 
 
-# Holders started ahead, one per way and mapping (`Holder.take`), on a thread of their own.
-_spares: dict[tuple[RootWay, bool], Future[Holder]] = {}
+# Holders started ahead, one per mapping (`Holder.take`), on a thread of their own.
+_spares: dict[bool, Future[Holder]] = {}
 _spares_lock = threading.Lock()
 _starting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="harbor-hpc-holder")

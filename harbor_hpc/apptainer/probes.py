@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
-from harbor_hpc.apptainer.holder import RootWay, root_path
+from harbor_hpc.apptainer.holder import root_path
 from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.network import (
     egress_problem,
@@ -248,13 +248,13 @@ def container_root_finding() -> Finding:
     """Which path a task container's root takes on this node, and why not a faster one
     (holder.py), for the scratch folder trials use by default ($TMPDIR)."""
     path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
-    if path.way is RootWay.KERNEL:
+    if path.own:
         return Finding("container root", Status.OK, path.describe())
     hint = (
         "the subuid and subgid ranges above"
         if "subuid" in path.why
         else "Linux 5.11 or later lets a user mount the kernel's overlay in a user namespace, "
-        "fuse-overlayfs with /dev/fuse is the next best"
+        "on a local disk"
     )
     return Finding(
         "container root",
@@ -540,7 +540,7 @@ def task_container_finding(image: Path) -> Finding:
         )
     why = attempt.why()
     own = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
-    if OVERLAY_OFF in why and own.way is not None:
+    if OVERLAY_OFF in why and own.own:
         return Finding(
             "task container",
             Status.WARN,
