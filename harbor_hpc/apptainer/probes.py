@@ -279,7 +279,8 @@ def unpacked_roots_finding() -> Finding:
         return Finding(
             "unpacked roots",
             Status.OK,
-            "images unpack as fakeroot's root (`unpacked_roots`: roots without FUSE)",
+            "images unpack with their owners (`unpacked_roots`: a reused image's root is read "
+            "without FUSE)",
         )
     return Finding(
         "unpacked roots",
