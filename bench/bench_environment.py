@@ -30,6 +30,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,22 @@ def make_environment(
         logger=logging.getLogger("bench"),
         **kwargs,
     )
+
+
+async def unpack_on_node(make: Callable[[int], BaseEnvironment], scratch: Path) -> float:
+    """Start the image twice in environments `make` gives (the second start unpacks it in the
+    background, unpacked_roots auto), then wait for its root among the roots in `scratch`: the
+    seconds until it is there."""
+    began = time.perf_counter()
+    for number in range(2):
+        environment = make(number)
+        await environment.start(force_build=False)
+        await environment.stop(delete=True)
+    roots = scratch / f"harbor-hpc-roots-{os.getuid()}"
+    while not any(path.is_dir() and not path.name.startswith(".") for path in roots.iterdir()):
+        assert time.perf_counter() - began < 600, f"no root in {roots} (see the log)"
+        await asyncio.sleep(0.1)
+    return time.perf_counter() - began
 
 
 def tree_root(environment: BaseEnvironment) -> int:

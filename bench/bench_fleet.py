@@ -47,6 +47,7 @@ from bench_environment import (
     make_environment,
     server_sif,
     tree_root,
+    unpack_on_node,
 )
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
@@ -198,7 +199,17 @@ async def measure(
             {"scratch_dir": str(Path(scratch) / "scratch")} if cls is SingularityEnvironment else {}
         )
         if reused:
-            await unpack_first(sif, Path(scratch), kwargs)
+            await unpack_on_node(
+                lambda n: make_environment(
+                    SingularityEnvironment,
+                    sif,
+                    Path(scratch) / f"warm-{n}",
+                    "fleet",
+                    4096,
+                    **kwargs,
+                ),
+                Path(scratch) / "scratch",
+            )
         environments = [
             make_environment(cls, sif, Path(scratch) / f"trial-{index}", "fleet", 4096, **kwargs)
             for index in range(size)
@@ -291,22 +302,6 @@ def print_fleet(size: int, ours: Fleet, theirs: Fleet | str, roots: Fleet | None
 
 def sizes(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
-
-
-async def unpack_first(sif: Path, scratch: Path, kwargs: dict[str, str]) -> None:
-    """Start the image twice in `scratch` (the second start unpacks it in the background), then
-    wait for its root."""
-    for number in range(2):
-        environment = make_environment(
-            SingularityEnvironment, sif, scratch / f"warm-{number}", "fleet", 4096, **kwargs
-        )
-        await environment.start(force_build=False)
-        await environment.stop(delete=True)
-    roots = scratch / "scratch" / f"harbor-hpc-roots-{os.getuid()}"
-    deadline = time.monotonic() + 600
-    while not any(path.is_dir() and not path.name.startswith(".") for path in roots.iterdir()):
-        assert time.monotonic() < deadline, f"no root in {roots}"
-        await asyncio.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:

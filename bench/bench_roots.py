@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shutil
 import statistics
 import subprocess
@@ -33,7 +32,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_environment import IMAGE, add_image_arguments, make_environment, server_sif
+from bench_environment import (
+    IMAGE,
+    add_image_arguments,
+    make_environment,
+    server_sif,
+    unpack_on_node,
+)
 from harbor.environments.base import BaseEnvironment
 
 from harbor_hpc.apptainer.environment import SingularityEnvironment
@@ -97,19 +102,6 @@ def factories(sif: Path, scratch: Path) -> dict[str, Factory]:
     }
 
 
-async def warm(factory: Factory, folder: Path, roots: Path) -> None:
-    """Start the image twice (the second start unpacks it in the background) and wait for its
-    root."""
-    for number in range(2):
-        environment = factory(folder / f"warm-{number}")
-        await environment.start(force_build=False)
-        await environment.stop(delete=True)
-    deadline = time.monotonic() + 600
-    while not any(path.is_dir() and not path.name.startswith(".") for path in roots.iterdir()):
-        assert time.monotonic() < deadline, f"no root in {roots}"
-        await asyncio.sleep(0.1)
-
-
 async def one_round(factory: Factory, folder: Path, deb: Path) -> tuple[float, float, float]:
     """(start s, dpkg s, files s) of one environment."""
     environment = factory(folder)
@@ -170,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         deb = make_package(scratch)
         made = factories(sif, scratch)
-        roots = scratch / "reused" / f"harbor-hpc-roots-{os.getuid()}"
-        asyncio.run(warm(made["reused"], scratch / "warm", roots))
+        reused = made["reused"]
+        asyncio.run(unpack_on_node(lambda n: reused(scratch / f"warm-{n}"), scratch / "reused"))
         start: dict[str, list[float]] = {"apptainer": [], **{name: [] for name in made}}
         dpkg: dict[str, list[float]] = {"docker": [], **{name: [] for name in made}}
         files: dict[str, list[float]] = {"docker": [], **{name: [] for name in made}}

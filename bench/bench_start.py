@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from bench_environment import add_image_arguments, make_environment, server_sif
+from bench_environment import add_image_arguments, make_environment, server_sif, unpack_on_node
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
 
@@ -242,22 +242,6 @@ def factories(sif: Path, harbor_too: bool, roots: Path) -> dict[str, Factory]:
     return {**chosen, "harbor": harbor} if harbor_too else chosen
 
 
-async def unpacked_when_reused(factory: Factory, roots: Path) -> float:
-    """Start the image twice as a reused one starts (the second start unpacks it in the
-    background), then wait for its root: the seconds until it is there."""
-    began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-start-warm-") as folder:
-        for number in range(2):
-            environment = factory(Path(folder), f"warm{number}")
-            await environment.start(False)
-            await environment.stop(True)
-    folder_of_roots = roots / f"harbor-hpc-roots-{os.getuid()}"
-    while not any(path.is_dir() for path in folder_of_roots.iterdir()):
-        assert time.perf_counter() - began < 600, f"no root in {folder_of_roots} (see the log)"
-        await asyncio.sleep(0.1)
-    return time.perf_counter() - began
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -296,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     crowd: dict[str, tuple[float, int]] = {}
     roots = Path(tempfile.mkdtemp(prefix="bench-start-roots-"))
     made = factories(sif, not args.without_harbor, roots)
-    unpack = asyncio.run(unpacked_when_reused(made[REUSED], roots))
+    with tempfile.TemporaryDirectory(prefix="bench-start-warm-") as warm:
+        reuse = made[REUSED]
+        unpack = asyncio.run(unpack_on_node(lambda n: reuse(Path(warm), f"warm{n}"), roots))
     for name, factory in made.items():
         print(f"measuring {name} ...", flush=True)
         results[name] = asyncio.run(measure(factory, args.rounds, args.execs))

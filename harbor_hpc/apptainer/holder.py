@@ -144,7 +144,8 @@ def _probe(scratch: Path, subids: bool) -> RootPath:
     if refused is None:
         return RootPath(True, "", subids)
     if "unrecognized option" in refused:
-        return RootPath(False, f"this node's unshare is older than util-linux 2.38: {refused}")
+        why = f"this node's unshare is older than util-linux 2.38: {refused}"
+        return RootPath(False, why, subids)
     why = f"the kernel's overlay with userxattr (Linux 5.11 and later) refused: {refused}"
     return RootPath(False, why, subids)
 
