@@ -72,6 +72,7 @@ PARTS = (
     "ray",
     "egress",
     "multinode",
+    "limits",
 )
 
 
@@ -92,7 +93,25 @@ def missing(part: str) -> str | None:
         return _egress_missing()
     if part == "multinode":
         return _multinode_missing()
+    if part == "limits":
+        return _limits_missing()
     return doctor.part_problem(part)
+
+
+def _limits_missing() -> str | None:
+    conf = os.environ.get("HARBOR_HPC_TEST_LIMITS_SLURM_CONF", "")
+    if not conf or not Path(conf).is_file():
+        return "HARBOR_HPC_TEST_LIMITS_SLURM_CONF names no slurm.conf (.ci/provision.sh makes one)"
+    try:
+        ran = subprocess.run(
+            ["sinfo", "-h", "-o", "%t"], env={**os.environ, "SLURM_CONF": conf},
+            capture_output=True, text=True, timeout=15,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo of the cluster with low limits failed: {exc}"
+    if ran.stdout.split()[:1] not in (["idle"], ["mix"], ["alloc"]):
+        return f"the cluster with low limits ({conf}) has no node up: {ran.stdout or ran.stderr}"
+    return None
 
 
 def _multinode_missing() -> str | None:

@@ -377,7 +377,11 @@ def _show_submission(result: SubmitResult) -> None:
     if result.dry_run:
         info(f"would submit {what} with the {result.executor} executor to {result.run_dir}")
     else:
-        info(f"submitted {what}: {result.executor} job(s) {', '.join(result.job_ids)}")
+        jobs = ", ".join(result.job_ids) or "none yet"
+        info(f"submitted {what}: {result.executor} job(s) {jobs}")
+        if result.waiting:
+            waits = len(result.chunks) - result.queued
+            info(f"{_count(waits, 'element')} not queued yet: {result.waiting}")
     if len(result.groups) > 1:  # one array each, sized for its tasks
         for group in result.groups:
             elements = f"{len(group.tasks)} task(s) in {len(group.chunks)} element(s)"

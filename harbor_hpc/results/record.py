@@ -83,6 +83,14 @@ class Submission:
     host: str
     submitted_at: str
     chunks: list[Chunk] = field(default_factory=list)
+    # Why its chunks without a job are not queued yet (the user's limit on queued jobs), while
+    # some wait to be queued as the user's jobs leave the queue; None when none waits.
+    waiting: str | None = None
+
+    @property
+    def waits(self) -> bool:
+        """Whether chunks of it wait to be queued (`waiting` says why)."""
+        return self.waiting is not None and any(chunk.job is None for chunk in self.chunks)
 
     @property
     def job_ids(self) -> list[str]:
@@ -185,6 +193,7 @@ class RunRecord:
                     executor=str(sub["executor"]),
                     host=str(sub["host"]),
                     submitted_at=str(sub["submitted_at"]),
+                    waiting=sub.get("waiting"),
                     chunks=[
                         Chunk(
                             [Unit.from_json(u) for u in chunk["units"]],

@@ -223,6 +223,10 @@ def _status_of(
         return status(AttemptState.PENDING)
     if fate is None:
         return status(failed, lost, "never submitted")
+    if fate.job is None and cancelled >= fate.submission.number:
+        return status(failed, lost, f"not started: {CANCELLED} came before it was queued")
+    if fate.job is None and fate.submission.waits:
+        return status(AttemptState.PENDING, message=f"not queued yet: {fate.submission.waiting}")
     if fate.job is None:
         return status(failed, lost, "its submission failed before a job was queued")
     if cancelled >= fate.submission.number:

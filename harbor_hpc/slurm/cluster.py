@@ -68,6 +68,11 @@ class SlurmError(HarborHpcError):
     """A Slurm command that is missing, failed or did not answer in time."""
 
 
+class SubmitLimitReached(SlurmError):
+    """sbatch refused a job for the user's limit on queued jobs (MaxSubmitJobs and kin): the
+    job fits once some of the user's jobs have left the queue."""
+
+
 class Executor(StrEnum):
     """Where a run's jobs go; `auto` is Slurm when sbatch is on PATH, else local processes."""
 
@@ -277,6 +282,35 @@ def node_address(name: str, *, timeout: float = QUERY_TIMEOUT_S) -> str | None:
     hint = f"run this on a node of the cluster; {CONTROLLER_HINT}"
     ran = _query(["scontrol", "show", "node", "-o", name], timeout=timeout, hint=hint)
     return parse_node_address(ran.stdout) if ran.ok else None
+
+
+# --- scontrol show assoc_mgr: how many more jobs the user may queue ---------------------------
+
+# A limit on queued jobs with what counts against it now (`MaxSubmitJobs=20(15)`); `N` is none.
+_SUBMIT_LIMIT = re.compile(r"\b(?:Max|Grp)SubmitJobs=(\d+)\((\d+)\)")
+
+
+def parse_submit_room(text: str, user: str) -> int | None:
+    """How many more jobs (each array element counts) `user` may queue, from `scontrol show
+    assoc_mgr users=USER flags=assoc` output: the least room a MaxSubmitJobs or GrpSubmitJobs
+    of the user's associations and their accounts leaves; None when none sets one (or the
+    cluster keeps no associations: no accounting)."""
+    rooms = []
+    for record in text.split("ClusterName=")[1:]:
+        owner = re.search(r"\bUserName=(\S*)", record)
+        if owner and owner.group(1) and owner.group(1).split("(", 1)[0] != user:
+            continue  # another user's association
+        rooms += [int(limit) - int(used) for limit, used in _SUBMIT_LIMIT.findall(record)]
+    return max(0, min(rooms)) if rooms else None
+
+
+def submit_room(user: str, *, timeout: float = QUERY_TIMEOUT_S) -> int | None:
+    """How many more jobs `user` may queue now (`parse_submit_room`); None when no limit is
+    known, which a cluster that refuses to say (older Slurm, a site's PrivateData) also is:
+    sbatch's refusal then says it (`SubmitLimitReached`)."""
+    command = ["scontrol", "show", "assoc_mgr", f"users={user}", "flags=assoc"]
+    ran = _query(command, timeout=timeout, hint=f"submit needs scontrol; {CONTROLLER_HINT}")
+    return parse_submit_room(ran.stdout, user) if ran.ok else None
 
 
 # --- what `harbor-hpc doctor` asks ---------------------------------------------------------
@@ -603,7 +637,15 @@ def submit_array(
         if getattr(exc.__cause__, "returncode", None) in (124, 137):
             said = f"sbatch did not answer within {SBATCH_TIMEOUT_S:g} s"
             raise _refused(what, said, hint, answered=False) from None
-        raise _refused(what, " ".join(str(exc).split()) or type(exc).__name__, hint) from None
+        said = " ".join(str(exc).split()) or type(exc).__name__
+        if _SUBMIT_LIMIT_WORDS.search(said):
+            raise SubmitLimitReached(f"Slurm refused {what}: {said}", hint=hint) from None
+        raise _refused(what, said, hint) from None
+
+
+# sbatch's words for a job refused for the user's limit on queued jobs (the association's
+# AssocMaxSubmitJobLimit, a QOS's QOSMaxSubmitJobPerUserLimit, "job submit limit").
+_SUBMIT_LIMIT_WORDS = re.compile(r"MaxSubmitJob|GrpSubmitJob|job submit limit")
 
 
 # sbatch's words when the controller could not take the job (the cluster's fault: try again)

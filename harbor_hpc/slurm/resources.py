@@ -46,6 +46,10 @@ class Resources:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def of_json(cls, data: dict[str, Any]) -> Resources:
+        return cls(**{**data, "gpu_types": tuple(data.get("gpu_types", ()))})
+
 
 @dataclass(frozen=True)
 class TrialRequest:

@@ -17,6 +17,7 @@ from harbor_hpc.results.status import RunStatus, attempt_statuses
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor
 from harbor_hpc.slurm.runs import live_jobs
+from harbor_hpc.steps.submit.launch import queue_waiting
 
 # `--wait` reads the run's files this often, and asks squeue (which every user of a login
 # node shares) only every SQUEUE_EVERY_S: a trial's end shows first in its result.json.
@@ -25,7 +26,10 @@ SQUEUE_EVERY_S = 15.0
 
 
 def run_status(run_dir: Path) -> RunStatus:
-    """Every task attempt of the run in `run_dir`: pending, running, done or failed (why)."""
+    """Every task attempt of the run in `run_dir`: pending, running, done or failed (why).
+    Elements that wait for room under the user's limit on queued jobs are queued first, as
+    far as the limit now allows."""
+    queue_waiting(run_dir)
     record = load_run(run_dir)
     return RunStatus.of(attempt_statuses(run_dir, record, live_jobs(record)))
 
@@ -51,7 +55,12 @@ def follow(
     asked = time.monotonic()
     while True:
         if time.monotonic() - asked >= squeue_every_s:
-            alive, asked = live_jobs(record), time.monotonic()
+            before, alive, asked = alive, live_jobs(record), time.monotonic()
+            # Room under the user's limit on queued jobs comes when a job of the user leaves:
+            # one of the run's, or (when none is queued) one of the user's others.
+            if (not alive or set(before) - set(alive)) and queue_waiting(run_dir):
+                record = load_run(run_dir)
+                alive = live_jobs(record)
         refuse_never_starting(alive)
         status = RunStatus.of(attempt_statuses(run_dir, record, alive))
         yield status

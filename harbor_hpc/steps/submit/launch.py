@@ -10,6 +10,8 @@ own, each element sized for its tasks.
 from __future__ import annotations
 
 import contextlib
+import getpass
+import json
 import os
 import shutil
 import socket
@@ -27,6 +29,7 @@ from harbor_hpc.results.record import (
     RunRecord,
     Submission,
     Unit,
+    cancelled_through,
     create_run,
     load_run,
     make_private,
@@ -36,7 +39,7 @@ from harbor_hpc.results.record import (
 from harbor_hpc.results.status import AttemptStatus, attempt_statuses
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor, JobRequest, choose_executor
-from harbor_hpc.slurm.resources import chunked
+from harbor_hpc.slurm.resources import Resources
 from harbor_hpc.slurm.runs import live_jobs
 from harbor_hpc.slurm.worker import ChunkWorker
 from harbor_hpc.steps.submit.checks import (
@@ -77,6 +80,9 @@ class SubmitResult:
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
     # Only planned: nothing was queued or recorded.
     dry_run: bool = False
+    # How many elements were queued now, and why the others wait to be (None: none waits).
+    queued: int = 0
+    waiting: str | None = None
 
     @property
     def chunks(self) -> list[list[Unit]]:
@@ -95,6 +101,8 @@ class SubmitResult:
             "agent_kwargs": self.agent_kwargs,
             "environment_kwargs": self.environment_kwargs,
             "dry_run": self.dry_run,
+            "queued": self.queued,
+            "waiting": self.waiting,
         }
 
 
@@ -126,6 +134,7 @@ def submit_run(
     check_agent(agent, options.agent, options.model, agent_kwargs, discovery.tasks[0])
     given_env = agent_env(options.agent_env)
     values = {name: value for name, value in given_env.items() if value is not None}
+    _given_env[run_dir.expanduser().absolute()] = values
     if options.require_images:
         check, tools = reference_check(environment_kwargs), tools_check(options.agent)
         missing = [p for task in discovery.tasks if (p := image_problem(task, check, tools))]
@@ -273,24 +282,17 @@ def _launch(
     if not groups:
         return result
     result.submission = number
-    queued = 0
     try:
-        # Each array's ids are recorded as soon as Slurm gives them, so that a refusal of a
-        # later array leaves the earlier ones known to status and resubmit.
-        with _exported(env or {}):
-            for job_ids in _queue(run_dir, record, number, groups, executor):
-                with update_run(run_dir) as fresh:
-                    submission = fresh.submissions[number - 1]
-                    for chunk, job_id in zip(submission.chunks[queued:], job_ids, strict=False):
-                        chunk.job = job_id
-                    queued += len(job_ids)
-                    result.job_ids = submission.job_ids
+        queued = queue_chunks(run_dir, number, env)
     except HarborHpcError as exc:
-        if queued == 0 and number == 1:
-            _forget_run(run_dir)  # nothing ran: the same submit can simply be run again
-        elif queued:
+        if load_run(run_dir).submissions[number - 1].job_ids:
             exc.exit_code = 1  # earlier arrays run: a partial failure, whatever stopped the rest
+        elif number == 1:
+            _forget_run(run_dir)  # nothing ran: the same submit can simply be run again
         raise
+    submission = load_run(run_dir).submissions[number - 1]
+    result.job_ids, result.waiting = submission.job_ids, submission.waiting
+    result.queued = queued
     return result
 
 
@@ -317,36 +319,103 @@ def _exported(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = old
 
 
-def _queue(
-    run_dir: Path,
-    record: RunRecord,
-    number: int,
-    groups: list[Group],
-    executor: Executor,
-) -> Iterator[list[str]]:
-    """Submit each group's chunks, in order, as array jobs of their resources (several when
-    MaxArraySize is smaller); yields the element job ids of each array as it is queued."""
-    options = record.options
-    limit = cluster.max_array_size() if executor is Executor.SLURM else None
-    worker = ChunkWorker(str(run_dir), number, int(options["concurrency"]))
-    for group in groups:
-        request = JobRequest(
-            name=f"harbor-hpc:{run_dir.name}",
-            time_min=group.resources.time_min,
-            mem_mb=group.resources.mem_mb,
-            cpus=group.resources.cpus,
-            gpus=group.resources.gpus,
-            gpu_type=next(iter(group.resources.gpu_types), None),
-            placement=recorded_placement(options),
-            array_parallelism=options.get("array_parallelism"),
-        )
-        pool = cluster.executor(RunPaths(run_dir).submitit / "%j", executor, request)
-        for part in chunked(group.chunks, limit or len(group.chunks)):
-            jobs = cluster.submit_array(
-                pool,
-                worker,
-                [[u.to_json() for u in chunk] for chunk in part],
-                what="the run's array job",
-                hint="check --partition/--account/--qos and the resources",
+# The `--agent-env` values given to this process's submits, by run folder: elements that wait
+# to be queued get them when `queue_waiting` queues them here. (Never written down.)
+_given_env: dict[Path, dict[str, str]] = {}
+
+# Why a submission's other elements wait to be queued (the run's record and `status` say it).
+SUBMIT_LIMIT_REACHED = (
+    "Slurm's limit on your queued jobs (MaxSubmitJobs) is reached: they are queued as your "
+    "jobs leave the queue, by `submit --wait` or `harbor-hpc status` (with the run's "
+    "--agent-env variables set)"
+)
+
+
+def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = None) -> int:
+    """Queue the chunks of submission `number` that have no job yet, as many as the cluster
+    takes now: one array job per group of equal resources, no more elements an array than
+    MaxArraySize, none past the user's limit on queued jobs (asked of Slurm once; sbatch's
+    refusal for it halves the array). Each array's ids are recorded as soon as Slurm gives
+    them; what does not fit is recorded as waiting (`Submission.waiting`), for `queue_waiting`.
+    `env`: the `--agent-env` values given, in the environment the jobs get. Returns how many
+    elements were queued. The caller holds the run's submit lock."""
+    record = load_run(run_dir)
+    submission = record.submissions[number - 1]
+    executor = Executor(submission.executor)
+    slurm = executor is Executor.SLURM
+    array_limit = cluster.max_array_size() if slurm else None
+    room = cluster.submit_room(getpass.getuser()) if slurm else None
+    worker = ChunkWorker(str(run_dir), number, int(record.options["concurrency"]))
+    by_resources: dict[str, list[int]] = {}
+    for index, chunk in enumerate(submission.chunks):
+        if chunk.job is None:
+            by_resources.setdefault(json.dumps(chunk.resources, sort_keys=True), []).append(index)
+    queued = 0
+    waiting: str | None = None
+    with _exported(env or {}):
+        for resources, indices in by_resources.items():
+            pool = cluster.executor(
+                RunPaths(run_dir).submitit / "%j",
+                executor,
+                _request(run_dir, record, Resources.of_json(json.loads(resources))),
             )
-            yield [job.job_id for job in jobs]
+            while indices and waiting is None:
+                size = min(len(indices), array_limit or len(indices))
+                if room is not None:
+                    size = min(size, room)
+                if size == 0:
+                    waiting = SUBMIT_LIMIT_REACHED
+                    break
+                part = indices[:size]
+                try:
+                    jobs = cluster.submit_array(
+                        pool,
+                        worker,
+                        [[u.to_json() for u in submission.chunks[i].units] for i in part],
+                        what="the run's array job",
+                        hint="check --partition/--account/--qos and the resources",
+                    )
+                except cluster.SubmitLimitReached:
+                    room = size // 2  # a limit Slurm did not name (a QOS's): less, until one
+                    continue
+                with update_run(run_dir) as fresh:
+                    for i, job in zip(part, jobs, strict=True):
+                        fresh.submissions[number - 1].chunks[i].job = job.job_id
+                queued += size
+                indices = indices[size:]
+                if room is not None:
+                    room -= size
+    with update_run(run_dir) as fresh:
+        fresh.submissions[number - 1].waiting = waiting
+    return queued
+
+
+def queue_waiting(run_dir: Path, env: Mapping[str, str] | None = None) -> int:
+    """Queue what the cluster takes now of the run's elements that wait to be queued (a
+    limit on queued jobs held them back), unless a submit or resubmit of the run is under way
+    or the run was cancelled. Returns how many elements were queued."""
+    record = load_run(run_dir)
+    cancelled = cancelled_through(run_dir)
+    numbers = [s.number for s in record.submissions if s.waits and s.number > cancelled]
+    env = _given_env.get(run_dir, {}) if env is None else env
+    if not numbers or any(n not in os.environ and n not in env for n in record.agent_env):
+        return 0  # nothing waits, or the agent's variables are not here to hand on
+    try:
+        with file_lock(RunPaths(run_dir).submit_lock, timeout=0):
+            return sum(queue_chunks(run_dir, number, env) for number in numbers)
+    except LockTimeout:
+        return 0  # another process queues them
+
+
+def _request(run_dir: Path, record: RunRecord, resources: Resources) -> JobRequest:
+    """What each element of `record`'s arrays of `resources` asks of Slurm."""
+    return JobRequest(
+        name=f"harbor-hpc:{run_dir.name}",
+        time_min=resources.time_min,
+        mem_mb=resources.mem_mb,
+        cpus=resources.cpus,
+        gpus=resources.gpus,
+        gpu_type=next(iter(resources.gpu_types), None),
+        placement=recorded_placement(record.options),
+        array_parallelism=record.options.get("array_parallelism"),
+    )
