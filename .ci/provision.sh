@@ -40,7 +40,7 @@ AUTH_USER=hpcuser   # the password registry's login (not a Unix user)
 AUTH_PASSWORD=hpcpass
 
 APT_PKGS=(
-  docker.io docker-registry apache2-utils debootstrap slurm-wlm munge
+  docker.io docker-registry apache2-utils debootstrap slurm-wlm munge slurmdbd mariadb-server
   squashfs-tools squashfuse fuse2fs fuse-overlayfs fuse3 uidmap patchelf tmux procps slirp4netns
   containernetworking-plugins gocryptfs curl ca-certificates iptables xz-utils zstd e2fsprogs util-linux passwd
   sudo nftables gcc libc6-dev
@@ -887,6 +887,119 @@ part_users() {
 }
 
 # ----------------------------------------------------------------------------------------------
+# 5f. A one-node cluster with the low limits many sites set (issue 50), beside the others:
+# node lim1 on this host (a slurmd of its own: Debian's Slurm runs several on one host, each
+# its own cgroups), its own slurmctld (ports 6837/6838) with MaxArraySize=100, and accounting
+# through slurmdbd and MariaDB so that per-user limits hold: MaxSubmitJobs=20 for each test
+# user. Users reach it with SLURM_CONF=$LIMITS_CONF.
+LIMITS_CONF=/etc/slurm-limits/slurm.conf
+LIMITS_MAX_SUBMIT=20
+limits() { SLURM_CONF=$LIMITS_CONF timeout 10 "$@"; }
+mariadb_up() { mariadb -e 'select 1'; }
+slurmdbd_up() { limits sacctmgr -n show cluster; }
+limits_ctld_up() { limits scontrol ping 2>/dev/null | grep -q 'is UP'; }
+limits_usable() { case "$(limits sinfo -h -N -o '%t' 2>/dev/null)" in idle | mix | alloc) return 0 ;; esac; return 1; }
+
+part_limits() {
+  local notes=() tmp cpus mem_mb real_mem changed=0 user i
+  watch_log /var/log/slurm/slurmdbd.log /var/log/slurm/slurmctld-limits.log /var/log/slurm/slurmd-limits.log
+  if mariadb_up >/dev/null 2>&1; then
+    notes+=("mariadb reused")
+  else
+    install -d -o mysql -g mysql -m 755 /run/mysqld
+    setsid /usr/sbin/mariadbd --user=mysql --bind-address=127.0.0.1 --innodb-buffer-pool-size=32M \
+      >"$LOGS/mariadbd.log" 2>&1 </dev/null 9>&- &
+    wait_for 60 "mariadbd (mariadb -e 'select 1')" mariadb_up
+    notes+=("mariadb started")
+  fi
+  mariadb -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+    CREATE USER IF NOT EXISTS 'slurm'@'localhost';
+    ALTER USER 'slurm'@'localhost' IDENTIFIED BY 'harbor-hpc-ci';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
+  tmp=$(mktemp)
+  cat >"$tmp" <<'DBD'
+# slurmdbd for the cluster with low limits (.ci/provision.sh part 5f); the other clusters keep
+# no accounting.
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=6819
+SlurmUser=root
+DebugLevel=info
+LogFile=/var/log/slurm/slurmdbd.log
+PidFile=/run/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=harbor-hpc-ci
+StorageLoc=slurm_acct_db
+DBD
+  if ! cmp -s "$tmp" /etc/slurm/slurmdbd.conf; then
+    install -m 600 "$tmp" /etc/slurm/slurmdbd.conf
+    stop_pid /run/slurmdbd.pid slurmdbd && notes+=("restarting slurmdbd for its new conf") || true
+  fi
+  cpus=$(($(nproc) * 4)) # as the one-node cluster: slurm.conf.in says why
+  mem_mb=$(awk '/^MemTotal:/ { printf "%d", $2 / 1024 }' /proc/meminfo)
+  real_mem=$((mem_mb * 90 / 100))
+  sed -e "s/@HOSTNAME@/$(hostname -s)/g" -e "s/@CPUS@/$cpus/g" -e "s/@REALMEMORY@/$real_mem/g" \
+    -e "s/@DEFMEMPERCPU@/$((real_mem / cpus))/g" "$CI_DIR/slurm-limits.conf.in" >"$tmp"
+  install -d -m 755 /etc/slurm-limits /var/spool/slurmctld-limits /var/spool/slurmd-limits
+  if ! cmp -s "$tmp" "$LIMITS_CONF"; then
+    install -m 644 "$tmp" "$LIMITS_CONF"
+    changed=1
+  fi
+  if ! cmp -s "$CI_DIR/cgroup.conf" /etc/slurm-limits/cgroup.conf; then
+    install -m 644 "$CI_DIR/cgroup.conf" /etc/slurm-limits/cgroup.conf
+    changed=1
+  fi
+  rm -f "$tmp"
+  if pid_alive /run/slurmdbd.pid slurmdbd; then
+    notes+=("slurmdbd reused")
+  else
+    clear_stale_pidfile /run/slurmdbd.pid slurmdbd
+    slurmdbd 9>&-
+    wait_for 30 "slurmdbd (sacctmgr show cluster)" slurmdbd_up
+    notes+=("slurmdbd started")
+  fi
+  # The associations the limits hold on (`-i`: no questions; adding what exists is refused).
+  limits sacctmgr -i add cluster harbor-hpc-limits >/dev/null 2>&1 || true
+  limits sacctmgr -i add account ci Cluster=harbor-hpc-limits >/dev/null 2>&1 || true
+  limits sacctmgr -i add user root Account=ci >/dev/null 2>&1 || true
+  for user in "$TEST_USER" "$OTHER_USER" "$NOSUB_USER"; do
+    limits sacctmgr -i add user "$user" Account=ci >/dev/null 2>&1 || true
+    limits sacctmgr -i modify user where name="$user" set MaxSubmitJobs=$LIMITS_MAX_SUBMIT >/dev/null 2>&1 || true
+    [ "$(limits sacctmgr -n -P show assoc where user="$user" format=MaxSubmit)" = "$LIMITS_MAX_SUBMIT" ] ||
+      die "sacctmgr did not set MaxSubmitJobs=$LIMITS_MAX_SUBMIT for $user on harbor-hpc-limits"
+  done
+  if [ "$changed" = 1 ]; then
+    stop_pid /run/slurmctld-limits.pid slurmctld && notes+=("restarting for the new slurm.conf") || true
+    stop_pid /run/slurmd-limits.pid slurmd || true
+  fi
+  if limits_ctld_up; then
+    notes+=("slurmctld reused")
+  else
+    clear_stale_pidfile /run/slurmctld-limits.pid slurmctld
+    slurmctld -i -f "$LIMITS_CONF" 9>&-
+    wait_for 30 "the limits cluster's slurmctld (scontrol ping)" limits_ctld_up
+    notes+=("slurmctld started")
+  fi
+  if ! pid_alive /run/slurmd-limits.pid slurmd; then
+    clear_stale_pidfile /run/slurmd-limits.pid slurmd
+    slurmd -f "$LIMITS_CONF" -N lim1 9>&-
+    notes+=("slurmd lim1 started")
+  fi
+  for ((i = 0; i < 120; i++)); do
+    limits_usable && break
+    limits scontrol update nodename=lim1 state=resume >/dev/null 2>&1 || true
+    sleep 0.5
+  done
+  limits_usable || die "the limits cluster's node lim1 is not up after 60 s: $(limits sinfo -N 2>&1 | tr '\n' ' ')"
+  PART_NOTE=$(
+    IFS=,
+    echo "${notes[*]}; MaxArraySize=$(limits scontrol show config | awk '/^MaxArraySize/ { print $3 }'), MaxSubmitJobs=$LIMITS_MAX_SUBMIT"
+  )
+}
+
+# ----------------------------------------------------------------------------------------------
 # 6. Base images, from debootstrap root file systems cached as tarballs
 umount_under() { # unmount whatever a killed debootstrap left mounted below $1
   local m
@@ -1003,6 +1116,7 @@ export HARBOR_HPC_TEST_NOSUB_USER=$NOSUB_USER
 export HARBOR_HPC_TEST_SLURM_PARTITION=debug
 export HARBOR_HPC_TEST_EGRESS_HOST=$EGRESS_HOST
 export HARBOR_HPC_TEST_MULTI_SLURM_CONF=$MULTI_CONF
+export HARBOR_HPC_TEST_LIMITS_SLURM_CONF=$LIMITS_CONF
 export HARBOR_HPC_TEST_SHARED_DIR=$SHARED_DIR
 export HARBOR_HPC_TEST_MULTI_NODE_TMP=$MULTI_TMP
 export HARBOR_HPC_TEST_NODE_TOOL=$NODE_TOOL
@@ -1035,6 +1149,7 @@ timed "5b apptainer install" part_apptainer_install
 timed "5c test users" part_users
 timed "5d egress test host" part_egress_host
 timed "5e multi-node slurm" part_multinode
+timed "5f slurm with low limits" part_limits
 bg_wait 6a-rootfs-python
 bg_wait 6b-rootfs-nopython
 timed "6c base images" part_images

@@ -249,3 +249,37 @@ def test_every_script_of_ours_runs_the_sites_setup_lines_first(
     ray_job = job_script(tmp_path, UpOptions(nodes=1, placement=placement))
     assert ray_job.startswith("#!/bin/bash\n")
     assert commands(ray_job)[:3] == [*placement.setup, "set -euo pipefail"]
+
+
+# `scontrol show assoc_mgr users=hpcuser flags=assoc` of Slurm 22.05 with MaxSubmitJobs=20 on
+# the user's association and 15 of the user's jobs queued (trimmed to the lines that matter).
+ASSOC_MGR = """Current Association Manager state
+
+Association Records
+
+ClusterName=harbor-hpc-limits Account=root UserName= Partition= Priority=0 ID=1
+    GrpJobs=N(8) GrpJobsAccrue=N(7)
+    GrpSubmitJobs=N(15) GrpWall=N(0.00)
+    MaxJobs= MaxJobsAccrue= MaxSubmitJobs= MaxWallPJ=
+ClusterName=harbor-hpc-limits Account=ci UserName= Partition= Priority=0 ID=3
+    GrpJobs=N(8) GrpJobsAccrue=N(7)
+    GrpSubmitJobs=N(15) GrpWall=N(0.00)
+    MaxJobs= MaxJobsAccrue= MaxSubmitJobs= MaxWallPJ=
+ClusterName=harbor-hpc-limits Account=ci UserName=hpcuser(1001) Partition= Priority=0 ID=5
+    GrpJobs=N(8) GrpJobsAccrue=N(7)
+    GrpSubmitJobs=N(15) GrpWall=N(0.00)
+    MaxJobs= MaxJobsAccrue= MaxSubmitJobs=20(15) MaxWallPJ=
+"""
+
+
+def test_the_room_under_the_users_limit_on_queued_jobs_is_read_from_assoc_mgr() -> None:
+    assert cluster.parse_submit_room(ASSOC_MGR, "hpcuser") == 5
+    # An account's limit counts every user's jobs under it: the least room wins.
+    grp = ASSOC_MGR.replace("GrpSubmitJobs=N(15)", "GrpSubmitJobs=17(15)", 1)  # root's
+    assert cluster.parse_submit_room(grp, "hpcuser") == 2
+    # Another user's association is not this user's limit; over the limit is no room.
+    assert cluster.parse_submit_room(ASSOC_MGR, "hpcuser2") is None
+    assert cluster.parse_submit_room(ASSOC_MGR.replace("20(15)", "10(15)"), "hpcuser") == 0
+    # A cluster without accounting keeps no associations: no limit known.
+    none = "Current Association Manager state\n\nNo associations currently cached in Slurm.\n"
+    assert cluster.parse_submit_room(none, "hpcuser") is None
