@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 import shutil
 import sys
@@ -44,6 +45,10 @@ MAX_REQUEUES = 3
 # enough to write down what ran, never more than a quarter of the limit, so that a short
 # `--time` still runs trials before the warning instead of requeueing at once, forever.
 REQUEUE_WARNING_S = 90
+
+
+# The signal submitit's elements take as the warning to requeue (its default, USR2).
+JOB_SIGNAL = "USR2"
 
 
 def requeue_warning_s(time_min: int) -> int:
@@ -263,9 +268,16 @@ def config(*, timeout: float = QUERY_TIMEOUT_S) -> dict[str, str]:
     return parse_config(ran.stdout)
 
 
-def max_array_size(*, timeout: float = QUERY_TIMEOUT_S) -> int:
-    """How many elements one Slurm array may have."""
-    return parse_max_array_size(config(timeout=timeout))
+def max_array_size() -> int:
+    """How many elements one Slurm array may have: asked once per process and cluster (the
+    scontrol found, the slurm.conf it reads), since it changes only with the cluster's
+    configuration."""
+    return _max_array_size(shutil.which("scontrol"), os.environ.get("SLURM_CONF"))
+
+
+@cache
+def _max_array_size(_scontrol: str | None, _conf: str | None) -> int:
+    return parse_max_array_size(config())
 
 
 def parse_node_address(text: str) -> str | None:
@@ -555,13 +567,19 @@ def _bounded_slurm_executor() -> type[submitit.SlurmExecutor]:
     for sbatch without a limit. (A class made on first use: submitit loads only then.)"""
     import submitit
 
-    # submitit has no public hook for the sbatch command line: this overrides its private
-    # `_make_submission_command` (checked with submitit 1.5.4). Should it move, the override
-    # would silently do nothing; tests/slurm/test_cluster.py then fails at once.
+    # submitit has no public hook for the sbatch command line nor for the batch script's
+    # command: this overrides its private `_make_submission_command` and
+    # `_make_submission_file_text` (checked with submitit 1.5.4). Should they move, the
+    # overrides would silently do nothing; tests/slurm/test_cluster.py then fails at once.
     class BoundedSlurmExecutor(submitit.SlurmExecutor):
         def _make_submission_command(self, submission_file_path: Path) -> list[str]:
             sbatch = super()._make_submission_command(submission_file_path)
             return ["timeout", "--kill-after=5", f"{SBATCH_TIMEOUT_S:g}", *sbatch]
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            # The element's Python is the batch shell itself, so that the requeue warning
+            # Slurm sends the batch shell (`--signal=B:...`) reaches it (`use_srun=False`).
+            return super()._make_submission_file_text(f"exec {command}", uid)
 
     return BoundedSlurmExecutor
 
@@ -589,13 +607,22 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
         )
         return local
     slurm = _bounded_slurm_executor()(folder=folder, max_num_timeout=MAX_REQUEUES)
+    warning_s = requeue_warning_s(request.time_min)
     parameters: dict[str, Any] = {
         "job_name": request.name,
         "time": request.time_min,
         "mem": f"{request.mem_mb}M",
         "cpus_per_task": request.cpus,
-        "signal_delay_s": requeue_warning_s(request.time_min),
-        "additional_parameters": request.placement.sbatch(),
+        "signal_delay_s": warning_s,
+        # No srun step inside the element: its Python runs in the batch script (exec), which
+        # spares the controller a step's RPCs (an allocation lookup and a step creation) and
+        # the node a step's processes, per element. The requeue warning then goes to the
+        # batch shell, which is that Python.
+        "use_srun": False,
+        "additional_parameters": {
+            "signal": f"B:{JOB_SIGNAL}@{warning_s}",
+            **request.placement.sbatch(),
+        },
     }
     optional = {
         "partition": request.placement.partition,

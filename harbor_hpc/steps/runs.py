@@ -6,6 +6,7 @@ still alive, which the executor's side (`harbor_hpc.slurm.runs.live_jobs`) gives
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,18 +50,27 @@ def follow(
 
     Between two squeue calls the last answer stands: a job that ended since shows as ended
     once its trials' result.json files are there, or at the next call when it left none.
+    squeue is asked after `squeue_every_s`, then twice as long after each answer, up to
+    four times as long (15 s to a minute: a long run costs the controller two RPCs a minute);
+    again after `squeue_every_s` once elements were queued. While elements wait for room
+    under the user's limit on queued jobs, the room is asked of Slurm every `squeue_every_s`
+    (one RPC), and what fits is queued.
     """
     record = load_run(run_dir)
     alive = live_jobs(record)
-    asked = time.monotonic()
+    asked = waves = time.monotonic()
+    gap = squeue_every_s  # doubled after each answer
     while True:
-        if time.monotonic() - asked >= squeue_every_s:
-            before, alive, asked = alive, live_jobs(record), time.monotonic()
-            # Room under the user's limit on queued jobs comes when a job of the user leaves:
-            # one of the run's, or (when none is queued) one of the user's others.
-            if (not alive or set(before) - set(alive)) and queue_waiting(run_dir):
+        now = time.monotonic()
+        if any(sub.waits for sub in record.submissions) and now - waves >= squeue_every_s:
+            waves = now
+            if queue_waiting(run_dir):
+                # squeue now (the new jobs must count as alive), then again soon.
                 record = load_run(run_dir)
-                alive = live_jobs(record)
+                asked, gap = -math.inf, squeue_every_s / 2
+        if now - asked >= gap:
+            alive, asked = live_jobs(record), now
+            gap = min(gap * 2, squeue_every_s * 4)
         refuse_never_starting(alive)
         status = RunStatus.of(attempt_statuses(run_dir, record, alive))
         yield status

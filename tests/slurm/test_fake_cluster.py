@@ -18,6 +18,7 @@ from harbor_hpc.results.record import (
     update_run,
     write_marker,
 )
+from harbor_hpc.results.status import attempt_statuses
 from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
 from harbor_hpc.slurm.runs import live_jobs
 from harbor_hpc.steps.runs import run_status
@@ -86,18 +87,55 @@ def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
     fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
     fake_slurm.answer(
         "sbatch",
-        stderr="sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
-        "(job submit limit, user's size and/or time limits)\n",
+        stderr="sbatch: error: Batch job submission failed: Invalid account or "
+        "account/partition combination specified\n",
         returncode=1,
         call=2,
     )
     run_dir = tmp_path / "run"
     with pytest.raises(SlurmError) as refused:
         submit_run(tasks, run_dir, options())
-    assert "Job violates accounting/QOS policy" in refused.value.message
+    assert "Invalid account" in refused.value.message
     assert refused.value.exit_code == 1  # one array runs: status and resubmit know it
     [submission] = load_run(run_dir).submissions
     assert [chunk.job for chunk in submission.chunks] == ["4242", None]
+
+
+def test_a_refusal_for_the_users_limit_on_queued_jobs_leaves_the_rest_waiting(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    # A limit Slurm's associations do not name (a QOS's): sbatch's refusal finds it.
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "small", image=str(sif), memory_mb=512, agent_timeout_sec=60)
+    make_task(tasks, "big", image=str(sif), memory_mb=16384, agent_timeout_sec=60)
+    fake_slurm.answer("sinfo", "2 32000\n")
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer(
+        "sbatch",
+        stderr="sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission "
+        "failed: Job violates accounting/QOS policy (job submit limit, user's size and/or time "
+        "limits)\n",
+        returncode=1,
+        call=2,
+    )
+    run_dir = tmp_path / "run"
+    submitted = submit_run(tasks, run_dir, options())
+    assert submitted.queued == 1 and submitted.waiting and "MaxSubmitJobs" in submitted.waiting
+    [submission] = load_run(run_dir).submissions
+    assert [chunk.job for chunk in submission.chunks] == ["4242", None]
+    assert submission.waiting == submitted.waiting
+    statuses = attempt_statuses(run_dir, load_run(run_dir), {"4242": None})
+    small = next(s for s in statuses if s.task == "small")  # the second array (big goes first)
+    assert (small.state, (small.message or "")[:30]) == (
+        "pending",
+        "not queued yet: Slurm's limit ",
+    )
+    # A look at the run queues it once there is room (here: sbatch takes it).
+    fake_slurm.answer("squeue", "4242\n")
+    assert by_task(run_dir)["small"] == ("pending", None)
+    assert [chunk.job for chunk in load_run(run_dir).submissions[0].chunks] == ["4242", "4242"]
 
 
 def test_status_follows_the_jobs_squeue_knows(
@@ -152,7 +190,7 @@ def test_the_requeue_warning_leaves_a_short_element_time_to_work(
     [[script]] = fake_slurm.calls("sbatch")
     sbatch = Path(script).read_text()
     assert f"#SBATCH --time={time_min}\n" in sbatch
-    assert f"#SBATCH --signal=USR2@{warning_s}\n" in sbatch
+    assert f"#SBATCH --signal=B:USR2@{warning_s}\n" in sbatch
     [group] = submitted.groups  # a --time of the user's splits no tasks
     assert group.requeue_warning_s == warning_s
     # A trial may take its agent's and verifier's timeouts and the environment's start: more

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import submitit
 
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor, JobRequest
@@ -31,3 +33,40 @@ def test_an_array_runs_and_leaves_the_queue(tmp_path: Path) -> None:
         time.sleep(0.5)
     assert not cluster.queued_jobs([base])
     assert [job.result() for job in jobs] == [4, 9]
+
+
+def sleep_long(seconds: int) -> None:
+    time.sleep(seconds)
+
+
+@pytest.mark.slurm
+def test_an_element_is_its_batch_script_and_gets_the_requeue_warning(tmp_path: Path) -> None:
+    # No srun step in an element (a step costs the controller two RPCs): its Python is the batch
+    # shell itself (exec), which is what Slurm's warning before the time limit reaches (B:).
+    request = JobRequest("harbor-hpc-test", time_min=30, mem_mb=200, cpus=1)
+    pool = cluster.executor(tmp_path / "%j", Executor.SLURM, request)
+    [job] = cluster.submit_array(pool, sleep_long, [300], what="the test array", hint="")
+    script = next(tmp_path.rglob("*_submission.sh")).read_text()
+    assert not [line for line in script.splitlines() if line.startswith("srun")]
+    assert "\nexec " in script
+    assert "#SBATCH --signal=B:USR2@" in script
+    try:
+        deadline = time.monotonic() + 120
+        while "Starting with JobEnvironment" not in _logs(job):
+            assert time.monotonic() < deadline, "the element did not start"
+            time.sleep(0.5)
+        # What Slurm sends the batch shell before the time limit (--signal=B:USR2@...).
+        signal = ["scancel", "--batch", "--signal=USR2", job.job_id]
+        subprocess.run(signal, check=True, timeout=30)
+        # submitit's handler in the element's Python takes it, and asks Slurm to requeue.
+        while "this job is preempted" not in _logs(job):
+            assert time.monotonic() < deadline, _logs(job)
+            time.sleep(0.5)
+    finally:
+        cluster.cancel(job.job_id)
+
+
+def _logs(job: submitit.Job[None]) -> str:
+    """What submitit logged in the element so far (INFO on stdout, warnings on stderr)."""
+    paths = (job.paths.stdout, job.paths.stderr)
+    return "".join(path.read_text() for path in paths if path.exists())

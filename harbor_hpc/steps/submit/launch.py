@@ -343,8 +343,8 @@ def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = Non
     submission = record.submissions[number - 1]
     executor = Executor(submission.executor)
     slurm = executor is Executor.SLURM
-    array_limit = cluster.max_array_size() if slurm else None
     room = cluster.submit_room(getpass.getuser()) if slurm else None
+    array_limit = cluster.max_array_size() if slurm and room != 0 else None
     worker = ChunkWorker(str(run_dir), number, int(record.options["concurrency"]))
     by_resources: dict[str, list[int]] = {}
     for index, chunk in enumerate(submission.chunks):
