@@ -91,9 +91,11 @@ def cli(*arguments: str) -> str:
 
 
 @contextlib.contextmanager
-def ray_cluster(args: argparse.Namespace) -> Iterator[Path]:
-    """A Ray cluster of `harbor-hpc ray up` in a folder of its own, ended afterwards."""
-    with tempfile.TemporaryDirectory(prefix="bench-ray-") as scratch:
+def ray_cluster(args: argparse.Namespace, parent: Path | None = None) -> Iterator[Path]:
+    """A Ray cluster of `harbor-hpc ray up` in a folder of its own (in `parent`, default the
+    temporary folder: one the nodes share where each node has a /tmp of its own), ended
+    afterwards."""
+    with tempfile.TemporaryDirectory(prefix="bench-ray-", dir=parent) as scratch:
         cluster_dir = Path(scratch) / "cluster"
         options = [
             "--nodes", str(args.nodes), "--ray-nodes-per-node", str(args.ray_nodes_per_node),
