@@ -21,7 +21,7 @@ from harbor_hpc.results.record import (
 from harbor_hpc.results.status import attempt_statuses
 from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
 from harbor_hpc.slurm.runs import live_jobs
-from harbor_hpc.steps.runs import run_status
+from harbor_hpc.steps.runs import cancel_run, run_status
 from harbor_hpc.steps.submit import SubmitOptions, resubmit_run, submit_run
 from tests.results.test_status import marker, record_with
 from tests.support.fake_slurm import SBATCH_BAD_PARTITION, SBATCH_UNREACHABLE, FakeSlurm
@@ -101,10 +101,9 @@ def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
     assert [chunk.job for chunk in submission.chunks] == ["4242", None]
 
 
-def test_a_refusal_for_the_users_limit_on_queued_jobs_leaves_the_rest_waiting(
-    fake_slurm: FakeSlurm, tmp_path: Path
-) -> None:
-    # A limit Slurm's associations do not name (a QOS's): sbatch's refusal finds it.
+def _waiting_run(fake_slurm: FakeSlurm, tmp_path: Path) -> Path:
+    """A run of two arrays, the second refused for a limit on queued jobs Slurm's associations
+    do not name (a QOS's): sbatch's refusal finds it, and the second array waits."""
     sif = tmp_path / "there.sif"
     sif.write_text("")
     tasks = tmp_path / "tasks"
@@ -124,18 +123,33 @@ def test_a_refusal_for_the_users_limit_on_queued_jobs_leaves_the_rest_waiting(
     submitted = submit_run(tasks, run_dir, options())
     assert submitted.queued == 1 and submitted.waiting and "MaxSubmitJobs" in submitted.waiting
     [submission] = load_run(run_dir).submissions
-    assert [chunk.job for chunk in submission.chunks] == ["4242", None]
+    assert [chunk.job for chunk in submission.chunks] == ["4242", None]  # big goes first
     assert submission.waiting == submitted.waiting
+    return run_dir
+
+
+def test_a_refusal_for_the_users_limit_on_queued_jobs_leaves_the_rest_waiting(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    run_dir = _waiting_run(fake_slurm, tmp_path)
     statuses = attempt_statuses(run_dir, load_run(run_dir), {"4242": None})
-    small = next(s for s in statuses if s.task == "small")  # the second array (big goes first)
-    assert (small.state, (small.message or "")[:30]) == (
-        "pending",
-        "not queued yet: Slurm's limit ",
-    )
+    small = next(s for s in statuses if s.task == "small")
+    assert small.state == "pending"
+    assert (small.message or "").startswith("not queued yet: Slurm's limit")
     # A look at the run queues it once there is room (here: sbatch takes it).
     fake_slurm.answer("squeue", "4242\n")
     assert by_task(run_dir)["small"] == ("pending", None)
     assert [chunk.job for chunk in load_run(run_dir).submissions[0].chunks] == ["4242", "4242"]
+
+
+def test_a_cancelled_run_queues_nothing_that_waited(fake_slurm: FakeSlurm, tmp_path: Path) -> None:
+    run_dir = _waiting_run(fake_slurm, tmp_path)
+    fake_slurm.answer("squeue", "4242\n")
+    cancel_run(run_dir)  # as a trainer's deadline does
+    assert by_task(run_dir)["small"] == ("failed", "infrastructure")
+    small = next(s for s in run_status(run_dir).attempts if s.task == "small")
+    assert small.message == "not started: a cancel of the run came before it was queued"
+    assert [chunk.job for chunk in load_run(run_dir).submissions[0].chunks] == ["4242", None]
 
 
 def test_status_follows_the_jobs_squeue_knows(
