@@ -381,7 +381,11 @@ def _show_submission(result: SubmitResult) -> None:
         info(f"submitted {what}: {result.executor} job(s) {jobs}")
         if result.waiting:
             waits = len(result.chunks) - result.queued
-            info(f"{_count(waits, 'element')} not queued yet: {result.waiting}")
+            info(
+                f"{_count(waits, 'element')} not queued yet: {result.waiting}; they are queued "
+                "as your jobs leave the queue, by `submit --wait` or `harbor-hpc status` (with "
+                "the run's --agent-env variables set)"
+            )
     if len(result.groups) > 1:  # one array each, sized for its tasks
         for group in result.groups:
             elements = f"{len(group.tasks)} task(s) in {len(group.chunks)} element(s)"

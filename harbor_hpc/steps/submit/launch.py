@@ -324,11 +324,7 @@ def _exported(values: Mapping[str, str]) -> Iterator[None]:
 _given_env: dict[Path, dict[str, str]] = {}
 
 # Why a submission's other elements wait to be queued (the run's record and `status` say it).
-SUBMIT_LIMIT_REACHED = (
-    "Slurm's limit on your queued jobs (MaxSubmitJobs) is reached: they are queued as your "
-    "jobs leave the queue, by `submit --wait` or `harbor-hpc status` (with the run's "
-    "--agent-env variables set)"
-)
+SUBMIT_LIMIT_REACHED = "Slurm's limit on your queued jobs (MaxSubmitJobs) is reached"
 
 
 def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = None) -> int:
