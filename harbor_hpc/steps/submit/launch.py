@@ -388,8 +388,14 @@ def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = Non
 
 def queue_waiting(run_dir: Path, env: Mapping[str, str] | None = None) -> int:
     """Queue what the cluster takes now of the run's elements that wait to be queued (a
-    limit on queued jobs held them back), unless a submit or resubmit of the run is under way
-    or the run was cancelled. Returns how many elements were queued."""
+    limit on queued jobs held them back), unless a submit or resubmit of the run is under way,
+    the run was cancelled or is another user's. Returns how many elements were queued."""
+    try:
+        owner = run_dir.stat().st_uid
+    except OSError:
+        return 0  # no run there: reading it says so
+    if owner != os.getuid():
+        return 0  # another user's run (its group may read it): only its owner queues
     record = load_run(run_dir)
     cancelled = cancelled_through(run_dir)
     numbers = [s.number for s in record.submissions if s.waits and s.number > cancelled]
