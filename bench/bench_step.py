@@ -43,11 +43,12 @@ each executor, the machine shared with other users' tests (0.8-2 cores busy befo
   queueing 8-14 %, our bookkeeping 46-58 % (an element's start to its first trial 1.4-2.4 s,
   its last trial's end to its end 1.3-3.8 s), container start 7-10 %, agent 16-22 %, verifier
   1-2 %, Harbor's rest 4-6 %, the end 0-3 %; 0 of 16 groups dropped at 1.2x the median step;
-  CPU 0.83-0.89 s per trial in the jobs, 0.06 s in this process; slurmctld 50-58 RPCs a step
-  (0.8-0.9 per trial, 42-66/min): 8 each of JOB_STEP_CREATE, HET_JOB_ALLOC_INFO, STEP_COMPLETE,
-  COMPLETE_BATCH_SCRIPT (4 per element), PARTITION_INFO 5-7, JOB_INFO_SINGLE and FED_INFO 4-5
-  (a squeue every 15 s), NODE_INFO 1-3, PING 1-2, BUILD_INFO 1, SUBMIT_BATCH_JOB 1, slurmd's
-  NODE_REGISTRATION_STATUS 3 and EPILOG_COMPLETE 1-2.
+  CPU 0.83-0.89 s per trial in the jobs (0.34-0.37 s since workers import litellm only for an
+  agent that did: two steps after, one before at 0.77 s), 0.06 s in this process; slurmctld
+  50-58 RPCs a step (0.8-0.9 per trial, 42-66/min): 8 each of JOB_STEP_CREATE,
+  HET_JOB_ALLOC_INFO, STEP_COMPLETE, COMPLETE_BATCH_SCRIPT (4 per element), PARTITION_INFO 5-7,
+  JOB_INFO_SINGLE and FED_INFO 4-5 (a squeue every 15 s), NODE_INFO 1-3, PING 1-2, BUILD_INFO 1,
+  SUBMIT_BATCH_JOB 1, slurmd's NODE_REGISTRATION_STATUS 3 and EPILOG_COMPLETE 1-2.
 - Ray (`--ray-concurrency 6 --ray-cpus 1`, one Ray node a Slurm node): wall 41-67 s against
   14-17 s (2.8-4.5x), 58-93 trials/min; tail 3.7-8x (the first wave's containers start in
   10-13 s: new drivers and hosts each step); shares: before the first start 2-7 %, queueing 0,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -140,9 +141,13 @@ def recording_calls(trial_dir: Path) -> Iterator[None]:
 
 
 def _install() -> None:
-    """Wrap litellm's async entry points in this process, once."""
-    import litellm
-
+    """Wrap litellm's async entry points in this process, once litellm is there. An agent whose
+    model calls go through litellm (Harbor's LiteLLM, and so terminus-2) imported it when Harbor
+    made the agent, before its trial runs; one that calls none (oracle, an installed agent) never
+    imports it, and importing it here cost each worker some 3 CPU seconds."""
+    litellm = sys.modules.get("litellm")
+    if litellm is None:
+        return
     with _install_lock:
         for name in ("acompletion", "aresponses"):
             function = getattr(litellm, name, None)
