@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.abc
+import importlib.util
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError
@@ -141,18 +145,48 @@ def recording_calls(trial_dir: Path) -> Iterator[None]:
 
 
 def _install() -> None:
-    """Wrap litellm's async entry points in this process, once litellm is there. An agent whose
-    model calls go through litellm (Harbor's LiteLLM, and so terminus-2) imported it when Harbor
-    made the agent, before its trial runs; one that calls none (oracle, an installed agent) never
-    imports it, and importing it here cost each worker some 3 CPU seconds."""
+    """Wrap litellm's async entry points in this process, once, as soon as litellm is there:
+    now, or when the agent imports it (Harbor's LiteLLM, and so terminus-2, did when Harbor made
+    the agent; another may at its first call). Importing it here would cost each worker that
+    runs an agent calling no model (oracle, an installed agent) some 3 CPU seconds."""
     litellm = sys.modules.get("litellm")
-    if litellm is None:
+    if litellm is not None:
+        _wrap(litellm)
         return
+    with _install_lock:
+        if not any(isinstance(finder, _WrapOnImport) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _WrapOnImport())
+
+
+def _wrap(litellm: ModuleType) -> None:
     with _install_lock:
         for name in ("acompletion", "aresponses"):
             function = getattr(litellm, name, None)
             if function is not None and not getattr(function, _WRAPPED, False):
                 setattr(litellm, name, _recorded(function))
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds litellm as the finders after it do, and wraps it once it has run."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname != "litellm":
+            return None
+        sys.meta_path.remove(self)  # once: the real spec, from the other finders
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None:
+            return spec
+        run_module = loader.exec_module
+
+        def run_and_wrap(module: ModuleType) -> None:
+            run_module(module)
+            _wrap(module)
+
+        loader.exec_module = run_and_wrap  # type: ignore[method-assign]
+        return spec
 
 
 def _recorded(function: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
