@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from harbor_hpc.results.record import (
 from harbor_hpc.results.status import attempt_statuses
 from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
 from harbor_hpc.slurm.runs import live_jobs
-from harbor_hpc.steps.runs import cancel_run, run_status
+from harbor_hpc.steps.runs import cancel_run, follow, run_status
 from harbor_hpc.steps.submit import SubmitOptions, resubmit_run, submit_run
 from tests.results.test_status import marker, record_with
 from tests.support.fake_slurm import SBATCH_BAD_PARTITION, SBATCH_UNREACHABLE, FakeSlurm
@@ -309,3 +310,23 @@ def test_a_local_job_lives_as_long_as_its_process(
         ]
     # From another host a local job's fate cannot be seen: it counts as alive.
     assert set(live_jobs(load_run(run_dir))) == {live, "1"}
+
+
+def test_following_a_run_asks_squeue_less_and_less_often(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
+) -> None:
+    # Admins throttle users whose polling loads slurmctld: --wait and the Python API ask squeue
+    # after squeue_every_s, then twice as long each time, up to four times as long.
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer("sinfo", "2 4000\n")
+    run_dir = tmp_path / "run"
+    submit_run(tasks, run_dir, options(concurrency=2))
+    fake_slurm.answer("squeue", "4242_[0-2]\n")  # pending for ever
+    asked = len(fake_slurm.calls("squeue"))
+    began = time.monotonic()
+    for _ in follow(run_dir, every_s=0.05, squeue_every_s=0.5):
+        if time.monotonic() - began > 6.0:
+            break
+    # At 0 (the first look), 0.5, 1.5, 3.5 and 5.5 s: five (fewer on a slow machine, never
+    # more), where every 0.5 s would be twelve.
+    assert 3 <= len(fake_slurm.calls("squeue")) - asked <= 5
