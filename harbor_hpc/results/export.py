@@ -329,6 +329,7 @@ class Export:
 
 def _lines(
     run_dir: Path,
+    record: RunRecord,
     statuses: list[AttemptStatus],
     fmt: ExportFormat,
     groups: list[AttemptStatus] | None,
@@ -338,7 +339,6 @@ def _lines(
     """The lines of `rollout_lines`, one rollout at a time; `left_out` counts what a trainer
     format leaves out. A trainable trial without the token ids its run asked for ends it (after
     the last line: every such trial named)."""
-    record = load_run(run_dir)
     _refuse_tokenless_format(run_dir, record, fmt)
     asked = record.agent_kwargs.get(TOKENS_KWARG) is True
     missing: list[str] = []
@@ -371,7 +371,8 @@ def rollout_lines(
     refused."""
     fmt = choice(ExportFormat, fmt, "format")
     left_out: Counter[str] = Counter()
-    lines = list(_lines(run_dir.resolve(), statuses, fmt, groups, left_out))
+    run_dir = run_dir.resolve()
+    lines = list(_lines(run_dir, load_run(run_dir), statuses, fmt, groups, left_out))
     return lines, dict(left_out)
 
 
@@ -393,10 +394,11 @@ def export_run(
     run_dir = run_dir.resolve()
     left_out: Counter[str] = Counter()
     written = 0
+    record = load_run(run_dir)
 
     def encoded() -> Iterator[bytes]:
         nonlocal written
-        for line in _lines(run_dir, statuses, fmt, None, left_out, trials):
+        for line in _lines(run_dir, record, statuses, fmt, None, left_out, trials):
             written += 1
             yield (json.dumps(line, default=str) + "\n").encode()
 
@@ -404,7 +406,7 @@ def export_run(
         for _ in encoded():
             pass
         return Export(out, fmt, written, dict(left_out), dry_run)
-    mode = 0o666 & ~run_umask(load_run(run_dir).group_readable)
+    mode = 0o666 & ~run_umask(record.group_readable)
     try:
         atomic_write_chunks(out, encoded(), mode=mode)
     except OSError as exc:  # a full disk; --out a folder, or in one it cannot write
