@@ -8,6 +8,8 @@ Layout of a run folder:
     markers/<trial>.json  written by the worker when it starts a trial: task, attempt, job, host
     trials/<trial>/waiting-for.txt  why a started trial waits before its container can start
                           (no Ray node with room yet), while it does: `status` says so
+    outcomes/             what each ended trial came to, a file per worker process: a cache
+                          of the trials' own files (results/outcomes.py)
     submitit/             submitit's pickles and the jobs' stdout/stderr
 
 The unit of work is a task attempt: `--attempts A` runs every task A times (for pass@k or RL
