@@ -244,7 +244,7 @@ def text_of(data: bytes, errors: str = "strict") -> str:
     return data.decode(errors=errors).replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_bytes(path: Path) -> bytes:
+def read_bytes(path: str | Path) -> bytes:
     """A file's bytes through one descriptor and nothing else: on a shared filesystem each
     call on a path is a round trip, and a run's bookkeeping reads tens of thousands of files."""
     fd = os.open(path, os.O_RDONLY)
