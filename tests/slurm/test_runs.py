@@ -27,7 +27,7 @@ from harbor_hpc.results.record import RunPaths, load_run
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
 from tests.support.probe_agent import AGENT, seen_by
-from tests.support.processes import job_processes, processes_naming
+from tests.support.processes import gone_within, job_processes, processes_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import fill, small_disk, unfill
 from tests.support.users import other_user_command
@@ -281,6 +281,9 @@ def test_export_writes_one_rollout_per_trial(suite_run: Path, tmp_path: Path) ->
 
 
 def test_a_deleted_trial_is_restored_by_resubmit_and_nothing_else_reruns(suite_run: Path) -> None:
+    # A run's trials end before its jobs do: a job still queued would have the trial running.
+    jobs = [chunk.job for sub in load_run(suite_run).submissions for chunk in sub.chunks]
+    assert gone_within(120, lambda: sorted(queued_jobs([job for job in jobs if job]))) == []
     before = by_task(cli_json("status", str(suite_run)))
     victim = before[SOLVED[1]]["trial"]
     shutil.rmtree(RunPaths(suite_run).trial(victim))
