@@ -11,11 +11,44 @@ that `resubmit --failed` has work. Then it times each command, and again with ev
 operation of the command 2 ms slower (strace's syscall delay injection on openat, stat, statx,
 newfstatat, getdents64, rename and unlink: what a shared filesystem's round trip costs).
 
+The run carries the outcomes index as the workers write it (results/outcomes.py); --no-index
+times it as a run made before the index. `cpu s` is the process's user and system time, which
+a busy machine's other work does not stretch as it does the wall time.
+
 Goals (issue 50): each under 10 s and under 500 MB resident; with 2 ms per file operation,
 under 60 s.
 
+Figures, 10,000 x 8 (80,000 trials), on a shared 2-core machine (load 6 to 11 from other work:
+wall times are noisy, CPU times less so): before (8e47b81) and after the outcomes index, the
+status table printed line by line, export reading each result.json once, task.toml read ahead:
+
+    command                       before: s  cpu s   MB    after: s  cpu s   MB   +2 ms/op
+    status                           56.9    49.1   328        7.7    3.7   176     24.2
+    status --json                    18.0    15.7   220       11.3    3.9   179     17.0
+    export full                     102.3    43.0   219       55.9   30.2   195    105.4
+    export harbor-rl                 55.9       -   219       40.7   25.1   196     99.4
+    export nemo-gym                  94.3    41.4   219       25.3   25.5   194     96.4
+    resubmit --failed --dry-run      48.8    17.4   201        4.8    4.4   198     40.4
+    submit --dry-run                  2.2     2.1    69        1.7    1.7    67     50.2
+
+With 2 ms per file operation the code before read every trial's files one after the other,
+too slow to time at 80,000 trials; at 500 x 8 (4,000 trials), in seconds:
+
+    command                       before   after
+    status                         149.0     6.8
+    export full                    222.7    12.5
+    resubmit --failed --dry-run    127.3    25.8
+    submit --dry-run                19.9    18.1
+
+(the status before: some 3,000 s at 80,000). Without the index (a run made before it) status
+reads every trial's folder, several at once: 27.2 s, 22.2 s of CPU. Export stays CPU-bound
+(parsing, building and writing 210 MB of lines in one Python process: 25-30 s of CPU), over
+the 10 s goal, and with 2 ms per operation over the 60 s one: it reads 80,000 result.json
+files, several at a time. strace runs with --seccomp-bpf, so that only the delayed calls stop
+the process (without it every call did, which no filesystem does).
+
 Usage: uv run python bench/bench_bookkeeping.py [--tasks 10000] [--attempts 8] [--delay-ms 2]
-       [--work DIR] [--keep]
+       [--work DIR] [--keep] [--reuse WORK] [--only COMMAND ...] [--no-index]
 """
 
 from __future__ import annotations
@@ -154,24 +187,45 @@ def make_run(work: Path, tasks: int, attempts: int) -> tuple[Path, Path]:
     }  # fmt: skip
     (run_dir / "run.json").write_text(json.dumps(record))
     run_dir.chmod(0o700)
+    index_run(run_dir)
     return tasks_dir, run_dir
 
 
-def timed(command: list[str], delay_ms: float, scratch: Path) -> tuple[float, float, str]:
-    """Wall seconds and peak resident MB of `command` (its process tree's largest), with
-    `delay_ms` added to each file operation when above 0; and what went wrong, if it did."""
+def index_run(run_dir: Path) -> None:
+    """The run's outcomes index, as the workers write it when each trial ends; made again
+    where it holds no entry by today's rules."""
+    from harbor_hpc.results.outcomes import RunTrials, note_outcome, read_outcome
+
+    trials = RunTrials(run_dir)
+    if trials.noted(trials.markers[0].trial) is not None:
+        return
+    shutil.rmtree(run_dir / "outcomes", ignore_errors=True)
+    for marker in trials.markers:
+        outcome = read_outcome(run_dir, marker)
+        assert outcome is not None
+        note_outcome(run_dir, marker, outcome, group_readable=False)
+
+
+def timed(command: list[str], delay_ms: float, scratch: Path) -> tuple[float, float, float, str]:
+    """Wall seconds, CPU seconds (user and system: what a busy machine's other work does not
+    change) and peak resident MB of `command` (its process tree's largest), with `delay_ms`
+    added to each file operation when above 0; and what went wrong, if it did."""
     peak = scratch / "peak.txt"
-    wrapped = ["/usr/bin/time", "-f", "%M", "-o", str(peak)]
+    wrapped = ["/usr/bin/time", "-f", "%M %U %S", "-o", str(peak)]
     if delay_ms > 0:
         delay = f"delay_enter={int(delay_ms * 1000)}"
-        wrapped += ["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"trace={FILE_CALLS}"]
+        # --seccomp-bpf: the process stops on those calls alone; without it strace stopped it
+        # on every call (read, write, futex...), a cost no filesystem adds.
+        wrapped += ["strace", "-f", "--seccomp-bpf", "-qq", "-o", "/dev/null"]
+        wrapped += ["-e", f"trace={FILE_CALLS}"]
         wrapped += ["-e", f"inject={FILE_CALLS}:{delay}"]
     began = time.perf_counter()
     done = subprocess.run([*wrapped, *command], capture_output=True, text=True, check=False)
     elapsed = time.perf_counter() - began
-    kilobytes = peak.read_text().strip().splitlines()[-1:] if peak.exists() else []
+    said = peak.read_text().strip().splitlines()[-1:] if peak.exists() else []
+    kilobytes, user, system = said[0].split() if said else ("0", "0", "0")
     problem = "" if done.returncode in (0, 1) else done.stderr.strip()[-300:]
-    return elapsed, int(kilobytes[0]) / 1024 if kilobytes else 0.0, problem
+    return elapsed, float(user) + float(system), int(kilobytes) / 1024, problem
 
 
 def main() -> None:
@@ -181,13 +235,30 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=2.0)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the run folder")
+    parser.add_argument(
+        "--reuse", type=Path, default=None, help="time the run folder a --keep left in WORK"
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="time these commands alone (their names below)"
+    )
+    parser.add_argument(
+        "--no-index",
+        action="store_true",
+        help="without the outcomes index, as runs made before it: every trial's folder read",
+    )
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-bookkeeping-", dir=args.work))
+    work = args.reuse or Path(tempfile.mkdtemp(prefix="bench-bookkeeping-", dir=args.work))
+    index, aside = work / "run" / "outcomes", work / "run" / "outcomes.aside"
     try:
-        began = time.perf_counter()
-        tasks_dir, run_dir = make_run(work, args.tasks, args.attempts)
-        trials = args.tasks * args.attempts
-        print(f"made {trials} trials of {args.tasks} tasks in {time.perf_counter() - began:.0f} s")
+        if args.reuse:
+            tasks_dir, run_dir = work / "tasks", work / "run"
+            index_run(run_dir)  # once more where it was made by other rules (older code)
+        else:
+            began = time.perf_counter()
+            tasks_dir, run_dir = make_run(work, args.tasks, args.attempts)
+            trials = args.tasks * args.attempts
+            made = time.perf_counter() - began
+            print(f"made {trials} trials of {args.tasks} tasks in {made:.0f} s")
         cli = [sys.executable, "-m", "harbor_hpc"]
         out = work / "out.jsonl"
         commands = {
@@ -210,18 +281,26 @@ def main() -> None:
                 "--run-dir", str(work / "new-run"), "--dry-run", "--json",
             ],
         }  # fmt: skip
-        print(f"{'command':<30} {'s':>8} {'MB':>7}   {'s, +' + str(args.delay_ms) + ' ms/op':>14}")
+        if args.no_index:
+            index.rename(aside)
+        delayed = f"s, +{args.delay_ms} ms/op"
+        print(f"{'command':<30} {'s':>8} {'cpu s':>7} {'MB':>7}   {delayed:>14}")
         for name, command in commands.items():
-            plain, peak, problem = timed(command, 0, work)
-            slow, _, slow_problem = (
-                timed(command, args.delay_ms, work) if args.delay_ms else (0.0, 0.0, "")
+            if args.only and name not in args.only:
+                continue
+            plain, cpu, peak, problem = timed(command, 0, work)
+            slow, _, _, slow_problem = (
+                timed(command, args.delay_ms, work) if args.delay_ms else (0.0, 0.0, 0.0, "")
             )
-            print(f"{name:<30} {plain:8.2f} {peak:7.0f}   {slow:14.2f}", flush=True)
+            print(f"{name:<30} {plain:8.2f} {cpu:7.2f} {peak:7.0f}   {slow:14.2f}", flush=True)
             for said in (problem, slow_problem):
                 if said:
                     print(f"  failed: {said}")
     finally:
-        if args.keep:
+        if aside.exists():
+            aside.rename(index)
+        if args.keep or args.reuse:
+            shutil.rmtree(work / "new-run", ignore_errors=True)
             print(f"kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+import textwrap
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,10 +14,7 @@ import typer
 from rich.columns import Columns
 from rich.console import Group
 from rich.live import Live
-from rich.markup import escape
-from rich.padding import Padding
 from rich.progress_bar import ProgressBar
-from rich.table import Table
 from rich.text import Text
 
 from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT
@@ -404,35 +404,92 @@ def _show_submission(result: SubmitResult) -> None:
 
 
 def _show_status(found: RunStatus, *, verbose: bool) -> None:
-    """One table row per attempt; below it each failed attempt's message, indented on a line
-    of its own and cut to the terminal's width (`verbose`: whole, with the trial folders)."""
-    table = Table()
-    columns = ["task", "#", "state", "reward", "failure"] + (["trial"] if verbose else [])
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    colours = {"done": "green", "failed": "red", "running": "cyan", "pending": "dim"}
-    for s in found.attempts:
-        row = [  # names and messages are text, not markup (see `warn`)
-            escape(s.task),
-            str(s.attempt),
-            f"[{colours[s.state]}]{s.state}[/]",
-            "" if s.reward is None else f"{s.reward:.3f}",  # as the summary's mean
-            s.failure or "",
-        ]
-        table.add_row(*row, *([escape(s.trial or "")] if verbose else []))
-    stdout.print(table)
-    for s in found.attempts:
-        if s.message:
-            stdout.print(Text(f"{s.task} #{s.attempt}", style="bold"), soft_wrap=False)
-            message = Text(
-                s.message, no_wrap=not verbose, overflow="fold" if verbose else "ellipsis"
-            )
-            stdout.print(Padding(message, (0, 0, 0, 2), expand=False), soft_wrap=False)
+    """One row per attempt; below them each failed attempt's message, indented on a line of its
+    own and cut to the terminal's width (`verbose`: whole, with the trial folders)."""
+    width = stdout.width
+    for lines in itertools.batched(_status_lines(found, verbose, width), LINES_AT_ONCE):
+        if stdout.color_system is None:  # a file, a pipe: text alone, without rich's cost
+            stdout.file.write("".join(f"{line}\n" for line, _ in lines))
+            continue
+        text = Text("\n".join(line for line, _ in lines))
+        at = 0
+        for line, style in lines:
+            for begin, end, name in style:
+                text.stylize(name, at + begin, at + end)
+            at += len(line) + 1
+        stdout.print(text, soft_wrap=True, highlight=False)
     limited = Counter(limit for s in found.attempts for limit in s.limits)
     for limit, count in limited.items():  # the node's, not the task's: once per kind
         said = Text(f"{count} attempt(s) ran weaker than in Docker: {limit}", style="yellow")
         stdout.print(said, soft_wrap=False)  # wrapped at the terminal's width
     stdout.print(_summary_line(found.summary), soft_wrap=False, highlight=False)
+
+
+# The status table's lines are printed this many at a time: a rich Table of a run's 80,000
+# attempts took most of `status`'s time and memory.
+LINES_AT_ONCE = 1000
+STATE_COLOURS = {"done": "green", "failed": "red", "running": "cyan", "pending": "dim"}
+# A line of the table, and where it is styled: (start, end, style).
+Line = tuple[str, list[tuple[int, int, str]]]
+
+
+def _status_lines(found: RunStatus, verbose: bool, width: int) -> Iterator[Line]:
+    """The table of `status`: a header, then a row per attempt, each column as wide as its
+    widest cell, the task's (and the trial's) folded onto more lines where the whole would be
+    wider than `width`; then each failed attempt's message, cut to one line (`verbose`:
+    folded, whole)."""
+    header = ["task", "#", "state", "reward", "failure"] + (["trial"] if verbose else [])
+    rows = [
+        [
+            s.task,
+            str(s.attempt),
+            s.state,
+            "" if s.reward is None else f"{s.reward:.3f}",  # as the summary's mean
+            s.failure or "",
+        ]
+        + ([s.trial or ""] if verbose else [])
+        for s in found.attempts
+    ]
+    widths = [max(map(len, column)) for column in zip(header, *rows, strict=True)]
+    for index in [0, 5] if verbose else [0]:  # the task's, the trial's: as narrow as need be
+        over = sum(widths) + 2 * (len(widths) - 1) - width
+        widths[index] = max(8, widths[index] - max(0, over))
+    yield from _row(header, widths, None)
+    yield "  ".join("─" * w for w in widths), []
+    for row, s in zip(rows, found.attempts, strict=True):
+        yield from _row(row, widths, STATE_COLOURS[s.state])
+    for s in found.attempts:
+        if s.message:
+            said = f"{s.task} #{s.attempt}"
+            yield said, [(0, len(said), "bold")]
+            for line in s.message.splitlines() or [""]:
+                if verbose:
+                    wrapped = textwrap.wrap(line, max(1, width - 2), break_on_hyphens=False)
+                    yield from (("  " + part, []) for part in wrapped)
+                elif len(line) + 2 > width:
+                    yield "  " + line[: max(0, width - 3)] + "…", []
+                else:
+                    yield "  " + line, []
+
+
+def _row(cells: list[str], widths: list[int], state: str | None) -> Iterator[Line]:
+    """One table row, on as many lines as its longest folded cell needs, its state in the
+    colour `state` (None: the header, bold)."""
+    parts = [
+        [cell[at : at + w] for at in range(0, len(cell), w)] or [""]
+        for cell, w in zip(cells, widths, strict=True)
+    ]
+    for number in range(max(map(len, parts))):
+        pieces = [part[number] if number < len(part) else "" for part in parts]
+        line = "  ".join(piece.ljust(w) for piece, w in zip(pieces, widths, strict=True))
+        line = line.rstrip()
+        if state is None:
+            yield line, [(0, len(line), "bold")]
+        elif number == 0:
+            start = sum(widths[:2]) + 4
+            yield line, [(start, start + len(pieces[2]), state)]
+        else:
+            yield line, []
 
 
 def _summary_line(summary: Summary) -> str:

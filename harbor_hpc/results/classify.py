@@ -182,7 +182,7 @@ def short_message(exception_type: str, message: str) -> str:
     return f"{exception_type}: {text}" if text else exception_type
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Outcome:
     """What one finished trial came to: done (maybe with reward 0) or failed with a class.
     `valid`: its reward is one to learn from (Harbor's error policy says so for its failure;

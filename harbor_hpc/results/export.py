@@ -43,11 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from harbor_hpc.core.errors import HarborHpcError, InputError, choice, from_os_error
-from harbor_hpc.core.files import atomic_write_chunks, read_json
+from harbor_hpc.core.files import atomic_write_chunks, read_in_threads, read_json
 from harbor_hpc.results.classify import AttemptState, Outcome, outcome_of_trial, rewards_of
-from harbor_hpc.results.record import RunPaths, RunRecord, load_run, read_markers, run_umask
+from harbor_hpc.results.outcomes import RunTrials, trial_outcome
+from harbor_hpc.results.record import Marker, RunPaths, RunRecord, load_run, run_umask
 from harbor_hpc.results.rollout import Rollout, Sequence, rollout
-from harbor_hpc.results.status import AttemptStatus, trial_outcome
+from harbor_hpc.results.status import AttemptStatus
 
 TOKENS_KWARG = "collect_rollout_details"  # terminus-2's (and Harbor's LiteLLM's) switch
 
@@ -88,24 +89,26 @@ def iter_rollouts(
     record: RunRecord,
     statuses: list[AttemptStatus],
     groups: list[AttemptStatus] | None = None,
+    trials: RunTrials | None = None,
 ) -> Iterator[Rollout]:
     """Every trial of the attempts in `statuses` that left a result.json, oldest first, then
     every attempt `statuses` reports failed without one, one at a time; each line's group
     judged on `groups` (the run's statuses; default `statuses`). A trial a status counts is
-    judged as that status judged it (its folder is read once more, for the line alone)."""
+    judged as that status judged it, and one the outcomes index holds as it says: each trial's
+    folder is read once, for its line, several at a time (`trials`: the run's, when the caller
+    read them)."""
     paths = RunPaths(run_dir)
     verdicts = group_verdicts(record, statuses if groups is None else groups)
     counted = {s.trial: s for s in statuses if s.trial is not None}
     attempts = {(s.task, s.attempt) for s in statuses}
-    seen: set[str] = set()
-    for marker in read_markers(run_dir):
-        if (marker.task, marker.attempt) not in attempts:
-            continue
+    trials = trials or RunTrials(run_dir)
+
+    def line(marker: Marker) -> Rollout | None:
         trial_dir = paths.trial(marker.trial)
         try:
             result = read_json(trial_dir / "result.json")
         except HarborHpcError:
-            continue  # none, or unreadable: its attempt's status says so, and gets a line below
+            return None  # none, or unreadable: its attempt's status says so, and gets a line below
         status = counted.get(marker.trial)
         if status is not None and status.state in (AttemptState.DONE, AttemptState.FAILED):
             outcome = Outcome(
@@ -117,8 +120,10 @@ def iter_rollouts(
                 limits=tuple(status.limits),
             )
         else:
-            outcome = trial_outcome(marker, outcome_of_trial(trial_dir, result))
-        yield rollout(
+            outcome = trials.noted(marker.trial) or trial_outcome(
+                marker, outcome_of_trial(trial_dir, result)
+            )
+        return rollout(
             record,
             task=marker.task,
             attempt=marker.attempt,
@@ -128,7 +133,13 @@ def iter_rollouts(
             counts=status is not None,
             group_trainable=verdicts.get(marker.task),
         )
-        seen.add(marker.trial)
+
+    seen: set[str] = set()
+    wanted = [m for m in trials.markers if (m.task, m.attempt) in attempts]
+    for made in read_in_threads(line, wanted):
+        if made is not None:
+            seen.add(str(made.line["trial"]))
+            yield made
     for status in statuses:
         if status.state is AttemptState.FAILED and status.trial not in seen:
             outcome = Outcome(
@@ -318,19 +329,20 @@ class Export:
 
 def _lines(
     run_dir: Path,
+    record: RunRecord,
     statuses: list[AttemptStatus],
     fmt: ExportFormat,
     groups: list[AttemptStatus] | None,
     left_out: Counter[str],
+    trials: RunTrials | None = None,
 ) -> Iterator[dict[str, Any]]:
     """The lines of `rollout_lines`, one rollout at a time; `left_out` counts what a trainer
     format leaves out. A trainable trial without the token ids its run asked for ends it (after
     the last line: every such trial named)."""
-    record = load_run(run_dir)
     _refuse_tokenless_format(run_dir, record, fmt)
     asked = record.agent_kwargs.get(TOKENS_KWARG) is True
     missing: list[str] = []
-    for r in iter_rollouts(run_dir, record, statuses, groups):
+    for r in iter_rollouts(run_dir, record, statuses, groups, trials):
         if asked and r.line["trainable"] and r.missing_tokens:
             missing.append(str(r.line["trial"]))
         if fmt is ExportFormat.FULL:
@@ -359,7 +371,8 @@ def rollout_lines(
     refused."""
     fmt = choice(ExportFormat, fmt, "format")
     left_out: Counter[str] = Counter()
-    lines = list(_lines(run_dir.resolve(), statuses, fmt, groups, left_out))
+    run_dir = run_dir.resolve()
+    lines = list(_lines(run_dir, load_run(run_dir), statuses, fmt, groups, left_out))
     return lines, dict(left_out)
 
 
@@ -370,19 +383,22 @@ def export_run(
     *,
     fmt: ExportFormat | str = ExportFormat.FULL,
     dry_run: bool = False,
+    trials: RunTrials | None = None,
 ) -> Export:
     """Write the run's rollouts to `out` (JSONL, atomically, each line as it is made: a run of
     tens of thousands of trials is never held whole) in `fmt`, marking the lines `statuses`
-    count. The file is as private as the run: its owner's (0600), or with the run's
-    `--group-readable` also readable by the group (0640)."""
+    count (`trials`: the run's, when the caller read them). The file is as private as the run:
+    its owner's (0600), or with the run's `--group-readable` also readable by the group
+    (0640)."""
     fmt = choice(ExportFormat, fmt, "format")
     run_dir = run_dir.resolve()
     left_out: Counter[str] = Counter()
     written = 0
+    record = load_run(run_dir)
 
     def encoded() -> Iterator[bytes]:
         nonlocal written
-        for line in _lines(run_dir, statuses, fmt, None, left_out):
+        for line in _lines(run_dir, record, statuses, fmt, None, left_out, trials):
             written += 1
             yield (json.dumps(line, default=str) + "\n").encode()
 
@@ -390,7 +406,7 @@ def export_run(
         for _ in encoded():
             pass
         return Export(out, fmt, written, dict(left_out), dry_run)
-    mode = 0o666 & ~run_umask(load_run(run_dir).group_readable)
+    mode = 0o666 & ~run_umask(record.group_readable)
     try:
         atomic_write_chunks(out, encoded(), mode=mode)
     except OSError as exc:  # a full disk; --out a folder, or in one it cannot write

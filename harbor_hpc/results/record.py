@@ -8,6 +8,8 @@ Layout of a run folder:
     markers/<trial>.json  written by the worker when it starts a trial: task, attempt, job, host
     trials/<trial>/waiting-for.txt  why a started trial waits before its container can start
                           (no Ray node with room yet), while it does: `status` says so
+    outcomes/             what each ended trial came to, a file per worker process: a cache
+                          of the trials' own files (results/outcomes.py)
     submitit/             submitit's pickles and the jobs' stdout/stderr
 
 The unit of work is a task attempt: `--attempts A` runs every task A times (for pass@k or RL
@@ -256,6 +258,11 @@ class RunPaths:
         return self.root / "submitit"
 
     @property
+    def outcomes(self) -> Path:
+        """The outcomes index (results/outcomes.py): what each ended trial came to."""
+        return self.root / "outcomes"
+
+    @property
     def cancel(self) -> Path:
         """Says which submissions were cancelled; their workers stop their trials."""
         return self.root / "cancel.json"
@@ -397,7 +404,7 @@ def new_trial_name(task: str, attempt: int) -> str:
     return f"{base[:32].rstrip('_-')}__a{attempt}-{secrets.token_hex(3)}"
 
 
-@dataclass
+@dataclass(slots=True)
 class Marker:
     """What a worker records when it starts a trial, and why it failed before Harbor could.
 
@@ -432,14 +439,9 @@ def write_marker(run_dir: Path, marker: Marker) -> None:
     atomic_write_json(RunPaths(run_dir).marker(marker.trial), asdict(marker))
 
 
-def read_markers(run_dir: Path) -> list[Marker]:
-    """Every marker of the run, oldest first; unreadable ones (a crash mid-write) are skipped."""
-    folder = RunPaths(run_dir).markers
-    markers = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            markers.append(Marker.from_json(read_json(path)))
-        except (HarborHpcError, TypeError, AttributeError):
-            continue  # a half-written or foreign file must not hide the others
-    markers.sort(key=lambda m: (m.started_at, m.trial))
-    return markers
+def read_marker(path: Path) -> Marker | None:
+    """The marker in `path`; None when it is unreadable (a crash mid-write, a foreign file)."""
+    try:
+        return Marker.from_json(read_json(path))
+    except (HarborHpcError, TypeError, AttributeError):
+        return None

@@ -34,7 +34,8 @@ import functools
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
@@ -47,6 +48,8 @@ SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.schema.
 TRAJECTORY = Path("agent") / "trajectory.json"
 TIMED_PHASES = ("environment_setup", "agent_setup", "agent_execution", "verifier")
 AGENT_TIMEOUT = "AgentTimeoutError"  # harbor.trial.errors; other timeouts are not the agent's
+# The fields of Harbor's AgentContext that its TrialResult sums over a trial's agent runs.
+SUMMED = ("n_input_tokens", "n_cache_tokens", "n_output_tokens", "cost_usd")
 
 
 @dataclass
@@ -106,12 +109,10 @@ def _seconds(timing: Any) -> float | None:
 
 
 def _read_trajectory(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
     try:
         trajectory = read_json(path)
     except HarborHpcError:
-        return {}  # an agent killed mid-write; the tokens in result.json still stand
+        return {}  # none, or an agent killed mid-write: the tokens in result.json still stand
     return trajectory if isinstance(trajectory, dict) else {}
 
 
@@ -334,22 +335,25 @@ def _step_record(task_dir: Path, trial_dir: Path, step: dict[str, Any]) -> dict[
 def _token_totals(
     result: dict[str, Any],
 ) -> tuple[int | None, int | None, int | None, float | None]:
-    """Harbor's own sums over the trial's agent runs (one, or one per step)."""
+    """Harbor's own sums over the trial's agent runs (one, or one per step): its TrialResult's
+    method, given only what it reads (building a TrialResult ran every field's default
+    factory, the most of a line's time)."""
     # Harbor's models load when a line is written, not with every command.
     from harbor.models.agent.context import AgentContext
-    from harbor.models.trial.result import StepResult, TrialResult
+    from harbor.models.trial.result import TrialResult
 
     def context(data: Any) -> AgentContext | None:
-        return AgentContext.model_validate(data) if data else None
+        # The sums' fields alone: the rest (every turn's tokens) is what costs to validate.
+        return AgentContext.model_validate({k: data.get(k) for k in SUMMED}) if data else None
 
     steps = [
-        StepResult.model_construct(agent_result=context(step.get("agent_result")))
+        SimpleNamespace(agent_result=context(step.get("agent_result")))
         for step in result.get("step_results") or []
     ]
-    trial = TrialResult.model_construct(
-        agent_result=context(result.get("agent_result")), step_results=steps or None
+    read = SimpleNamespace(agent_result=context(result.get("agent_result")), step_results=steps)
+    n_input, n_cache, n_output, cost = TrialResult.compute_token_cost_totals(
+        cast("TrialResult", read)
     )
-    n_input, n_cache, n_output, cost = trial.compute_token_cost_totals()
     return n_input, n_cache, n_output, cost
 
 

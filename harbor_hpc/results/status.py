@@ -22,22 +22,14 @@ import re
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.limits import read_limits
-from harbor_hpc.core.errors import HarborHpcError
-from harbor_hpc.core.files import held_by_another, read_json
-from harbor_hpc.results.classify import (
-    AttemptState,
-    FailureClass,
-    Outcome,
-    failure_class,
-    outcome_of_trial,
-    short_message,
-)
+from harbor_hpc.core.files import held_by_another
+from harbor_hpc.results.classify import AttemptState, FailureClass, Outcome
+from harbor_hpc.results.outcomes import RunTrials
 from harbor_hpc.results.record import (
     CANCELLED,
     Marker,
@@ -46,12 +38,11 @@ from harbor_hpc.results.record import (
     Submission,
     Unit,
     cancelled_through,
-    read_markers,
     waiting_for,
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class AttemptStatus:
     task: str
     attempt: int
@@ -67,7 +58,9 @@ class AttemptStatus:
     trainable: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in self.__dataclass_fields__} | {
+            "limits": list(self.limits)
+        }
 
 
 @dataclass
@@ -99,41 +92,6 @@ def _job_fates(
     return fates
 
 
-def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
-    """The trial's outcome when it has ended (result.json, or a failure before Harbor began)."""
-    trial_dir = RunPaths(run_dir).trial(marker.trial)
-    result_path = trial_dir / "result.json"
-    if not result_path.is_file():
-        limits = read_limits(trial_dir)
-        if marker.error_type:
-            message = short_message(marker.error_type, marker.error_message or "")
-            failure = failure_class(marker.error_type, agent_started=False)
-            outcome = Outcome(failure, message, None, {}, limits=tuple(limits))
-            return trial_outcome(marker, outcome)
-        return None
-    try:
-        result = read_json(result_path)
-    except HarborHpcError as exc:
-        message = f"unreadable result: {exc.message}"
-        limits = read_limits(trial_dir)
-        return Outcome(FailureClass.INFRASTRUCTURE, message, None, {}, limits=tuple(limits))
-    return trial_outcome(marker, outcome_of_trial(trial_dir, result))
-
-
-def trial_outcome(marker: Marker, outcome: Outcome) -> Outcome:
-    """What the trial of `marker` came to, given what Harbor (or the worker) recorded.
-
-    A trial that the job's end broke is infrastructure, to run again, whatever it recorded: the
-    error the dying container raised, or a reward (often 0) that the verifier gave an agent
-    the signal cut short.
-    """
-    if not marker.terminated_by:
-        return outcome
-    said = outcome.message or f"reward {outcome.reward}"
-    message = f"job {marker.job} got {marker.terminated_by} during the trial ({said})"
-    return replace(outcome, failure=FailureClass.INFRASTRUCTURE, message=message, valid=False)
-
-
 def latest_markers(markers: list[Marker]) -> dict[Unit, Marker]:
     latest: dict[Unit, Marker] = {}
     for marker in markers:  # oldest first, so the newest wins
@@ -142,24 +100,43 @@ def latest_markers(markers: list[Marker]) -> dict[Unit, Marker]:
 
 
 def attempt_statuses(
-    run_dir: Path, record: RunRecord, alive: Collection[str] | Mapping[str, str | None]
+    run_dir: Path,
+    record: RunRecord,
+    alive: Collection[str] | Mapping[str, str | None],
+    trials: RunTrials | None = None,
 ) -> list[AttemptStatus]:
     """One status per task attempt of the run, in task order; `alive` holds the ids of the
     run's jobs (array elements, local processes) that are still queued or running (as a
     mapping: with Slurm's reason while each pends, which a pending attempt says once its
-    submission is WAIT_TOLD_S old)."""
+    submission is WAIT_TOLD_S old); `trials` the run's trials, when the caller read them."""
     fates = _job_fates(record, alive)
-    newest = latest_markers(read_markers(run_dir))
+    trials = trials or RunTrials(run_dir)
+    newest = latest_markers(trials.markers)
     cancelled = cancelled_through(run_dir)  # read once: every never-started attempt asks
     # A submit or resubmit queueing the run's jobs right now (its lock held): what it has not
     # queued yet waits, it has not failed.
     submitting = held_by_another(RunPaths(run_dir).submit_lock)
-    statuses = []
-    for unit in record.units():
-        marker = newest.get(unit)
-        fate = fates.get(unit)
-        statuses.append(_status_of(run_dir, record, unit, marker, fate, cancelled, submitting))
-    return statuses
+    units = record.units()
+    counted: list[Marker | None] = []
+    for unit in units:
+        marker, fate = newest.get(unit), fates.get(unit)
+        # A resubmission newer than the marker supersedes that trial: the unit runs again.
+        superseded = marker and fate and fate.submission.number > marker.submission
+        counted.append(None if superseded else marker)
+    outcomes = iter(trials.outcomes(m for m in counted if m is not None))
+    return [
+        _status_of(
+            run_dir,
+            record,
+            unit,
+            marker,
+            None if marker is None else next(outcomes),
+            fates.get(unit),
+            cancelled,
+            submitting,
+        )
+        for unit, marker in zip(units, counted, strict=True)
+    ]
 
 
 def _status_of(
@@ -167,15 +144,14 @@ def _status_of(
     record: RunRecord,
     unit: Unit,
     marker: Marker | None,
+    outcome: Outcome | None,
     fate: _JobFate | None,
     cancelled: int,
     submitting: bool,
 ) -> AttemptStatus:
-    """`cancelled`: the run's last cancelled submission (`cancelled_through`); `submitting`:
-    another process is queueing the run's jobs now."""
-    # A resubmission newer than the marker supersedes that trial: the unit runs again.
-    if marker is not None and fate is not None and fate.submission.number > marker.submission:
-        marker = None
+    """`marker`: the newest trial of `unit` that counts, and `outcome` what it came to (None:
+    it has not ended); `cancelled`: the run's last cancelled submission (`cancelled_through`);
+    `submitting`: another process is queueing the run's jobs now."""
 
     def status(
         state: AttemptState, failure: FailureClass | None = None, message: str | None = None
@@ -183,20 +159,18 @@ def _status_of(
         trial = marker.trial if marker else None
         return AttemptStatus(unit.task, unit.attempt, trial, state, None, failure, message)
 
-    if marker is not None:
-        outcome = read_outcome(run_dir, marker)
-        if outcome is not None:
-            return AttemptStatus(
-                unit.task,
-                unit.attempt,
-                marker.trial,
-                outcome.state,
-                outcome.reward,
-                outcome.failure,
-                outcome.message,
-                list(outcome.limits),
-                outcome.trainable,
-            )
+    if marker is not None and outcome is not None:
+        return AttemptStatus(
+            unit.task,
+            unit.attempt,
+            marker.trial,
+            outcome.state,
+            outcome.reward,
+            outcome.failure,
+            outcome.message,
+            list(outcome.limits),
+            outcome.trainable,
+        )
     if fate is not None and fate.alive:
         if marker is not None:
             waits = waiting_for(RunPaths(run_dir).trial(marker.trial))

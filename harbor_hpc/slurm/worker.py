@@ -19,6 +19,7 @@ without internet access every worker waited seconds for it (`use_local_cost_map`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,7 @@ import submitit
 from harbor_hpc.apptainer.errors import error_policy_overrides
 from harbor_hpc.results.calls import recording_calls
 from harbor_hpc.results.classify import AttemptState, FailureClass
+from harbor_hpc.results.outcomes import RunTrials, note_outcome, read_outcome
 from harbor_hpc.results.record import (
     CANCELLED,
     Marker,
@@ -41,11 +43,10 @@ from harbor_hpc.results.record import (
     cancelled_through,
     load_run,
     new_trial_name,
-    read_markers,
     seal,
     write_marker,
 )
-from harbor_hpc.results.status import latest_markers, read_outcome
+from harbor_hpc.results.status import latest_markers
 
 LOCAL_COST_MAP = "LITELLM_LOCAL_MODEL_COST_MAP"
 CANCEL_POLL_S = 1.0
@@ -111,11 +112,13 @@ class ChunkWorker(submitit.helpers.Checkpointable):
         signal.signal(signal.SIGTERM, on_term)
 
     def units_left(self, run_dir: Path, units: list[Unit]) -> list[Unit]:
-        newest = latest_markers(read_markers(run_dir))
+        trials = RunTrials(run_dir)
+        newest = latest_markers(trials.markers)
+        markers = {unit: newest[unit] for unit in units if unit in newest}
+        outcomes = dict(zip(markers, trials.outcomes(markers.values()), strict=True))
         left = []
         for unit in units:
-            marker = newest.get(unit)
-            outcome = read_outcome(run_dir, marker) if marker else None
+            marker, outcome = markers.get(unit), outcomes.get(unit)
             finished_here = (
                 outcome is not None
                 and marker is not None
@@ -206,3 +209,13 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             write_marker(run_dir, marker)
         finally:
             seal(paths.trial(marker.trial), record.group_readable)
+            self._note(run_dir, record, marker)
+
+    @staticmethod
+    def _note(run_dir: Path, record: RunRecord, marker: Marker) -> None:
+        """Note what the trial came to in the run's outcomes index, now that nothing writes its
+        files any more; a trial that has not ended (Harbor wrote no result) is not noted."""
+        outcome = read_outcome(run_dir, marker)
+        if outcome is not None:
+            with contextlib.suppress(OSError):  # a cache: readers fall back on the folder
+                note_outcome(run_dir, marker, outcome, group_readable=record.group_readable)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import Export, ExportFormat, export_run
-from harbor_hpc.results.record import Unit, cancel_submissions, load_run, read_markers
+from harbor_hpc.results.outcomes import RunTrials
+from harbor_hpc.results.record import Unit, cancel_submissions, load_run
 from harbor_hpc.results.status import RunStatus, attempt_statuses
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor
@@ -40,7 +41,9 @@ def export(
 ) -> Export:
     """The run's rollouts into `out` in `fmt`, each marked whether it is the trial `status`
     counts."""
-    return export_run(run_dir, out, run_status(run_dir).attempts, fmt=fmt, dry_run=dry_run)
+    record, trials = load_run(run_dir), RunTrials(run_dir)
+    statuses = attempt_statuses(run_dir, record, live_jobs(record), trials)
+    return export_run(run_dir, out, statuses, fmt=fmt, dry_run=dry_run, trials=trials)
 
 
 def follow(
@@ -104,7 +107,7 @@ def cancel_run(run_dir: Path) -> None:
     elements that have not started leave the queue. Finished trials stay as they are."""
     through = cancel_submissions(run_dir)
     record = load_run(run_dir)
-    started = {(m.submission, Unit(m.task, m.attempt)) for m in read_markers(run_dir)}
+    started = {(m.submission, Unit(m.task, m.attempt)) for m in RunTrials(run_dir).markers}
     waiting = [
         chunk.job
         for sub in record.submissions[:through]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.core.files import read_small, text_of
+from harbor_hpc.core.files import read_bytes, read_in_threads, text_of
 
 if TYPE_CHECKING:  # Harbor's models load when a task is read, not with every command
     from harbor.models.task.config import TaskConfig
@@ -187,14 +187,15 @@ def discover_tasks(
     # The walk, folders before their subfolders, each folder's in sorted order, as os.walk
     # walks; only a folder that is a task (it holds task.toml, which is then read) is never
     # listed: one read where os.walk lists it and stats what it holds.
-    walk = [_subfolders(top, real_top)]
+    # Each folder's task.toml is read several at a time (a shared filesystem's round trips),
+    # ahead of the walk.
+    walk = [read_in_threads(_with_task_toml, _subfolders(top, real_top))]
     while walk:
         folder = next(walk[-1], None)
         if folder is None:
             walk.pop()
             continue
-        path, real = folder
-        data = _task_toml(path)
+        path, real, data = folder
         if real in seen:
             if data is not None:
                 discovery.problems.append(
@@ -203,7 +204,7 @@ def discover_tasks(
             continue
         here = seen[real] = Path(path)
         if data is None:
-            walk.append(_subfolders(path, real))
+            walk.append(read_in_threads(_with_task_toml, _subfolders(path, real)))
             continue
         rel = path[len(prefix) :]
         task_or_problem = _load(
@@ -245,12 +246,16 @@ def _is_folder(entry: os.DirEntry[str]) -> bool:
         return False
 
 
+def _with_task_toml(folder: tuple[str, str]) -> tuple[str, str, bytes | OSError | None]:
+    return (*folder, _task_toml(folder[0]))
+
+
 def _task_toml(folder: str) -> bytes | OSError | None:
     """`folder`'s task.toml, the error reading it, or None where it has none (a folder of that
     name is none either)."""
     path = os.path.join(folder, TASK_FILE)
     try:
-        return read_small(path)[0]
+        return read_bytes(path)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
         # A link to nowhere is a task.toml that cannot be read.
         return exc if os.path.islink(path) else None
@@ -284,7 +289,7 @@ def _load(
     toml_path = path / TASK_FILE
     try:
         if data is None:
-            data = read_small(str(toml_path))[0]
+            data = read_bytes(toml_path)
         elif isinstance(data, OSError):
             raise data
         text = text_of(data)

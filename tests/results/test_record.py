@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.core.errors import InputError
+from harbor_hpc.results.outcomes import RunTrials
 from harbor_hpc.results.record import (
     Chunk,
     Marker,
@@ -18,7 +19,6 @@ from harbor_hpc.results.record import (
     create_run,
     load_run,
     new_trial_name,
-    read_markers,
     update_run,
     write_marker,
 )
@@ -85,7 +85,7 @@ def test_markers_oldest_first_and_broken_ones_skipped(tmp_path: Path) -> None:
     for trial, started in (("t2", "2026-01-01T00:00:02"), ("t1", "2026-01-01T00:00:01")):
         write_marker(tmp_path, Marker(trial, "a", 0, 1, "5_0", "h", 1, started))
     (RunPaths(tmp_path).markers / "broken.json").write_text("{")
-    assert [m.trial for m in read_markers(tmp_path)] == ["t1", "t2"]
+    assert [m.trial for m in RunTrials(tmp_path).markers] == ["t1", "t2"]
 
 
 def test_trial_names_are_fresh() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from harbor_hpc.api import Progress, RolloutRequest, resubmit_run, run_status, stream_rollouts
+from harbor_hpc.results.outcomes import RunTrials
 from tests.support.cli import cli_json
 from tests.support.processes import gone_within, processes_naming
 from tests.support.sample_tasks import make_task
@@ -30,6 +31,10 @@ def test_the_local_executor_runs_without_slurm(debian_sif: Path, tmp_path: Path)
     assert submitted["executor"] == "local"
     statuses = cli_json("status", str(run_dir))
     assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}
+    # The workers noted what their trials came to: status read that, not the trials' folders.
+    trials = RunTrials(run_dir)
+    assert len(trials.markers) == 2
+    assert all(trials.noted(marker.trial) is not None for marker in trials.markers)
 
 
 def test_a_batch_streams_as_it_ends_and_its_deadline_cancels_the_rest(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.apptainer.store import is_ready
-from harbor_hpc.results.record import read_markers
+from harbor_hpc.results.outcomes import RunTrials
 from harbor_hpc.slurm.cluster import parse_node_address
 from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
 from tests.conftest import MultiNode
@@ -100,10 +100,10 @@ def test_a_node_that_crashes_under_a_run_loses_nothing_and_duplicates_nothing(
         "--executor", "slurm", env=cluster.env,
     )  # fmt: skip
     deadline = time.monotonic() + 180
-    while len(read_markers(run_dir)) < 3:
+    while len(RunTrials(run_dir).markers) < 3:
         assert time.monotonic() < deadline, f"the trials never started: {submitted}"
         time.sleep(0.5)
-    cut = next(m for m in read_markers(run_dir) if m.task == "b")
+    cut = next(m for m in RunTrials(run_dir).markers if m.task == "b")
     assert cut.host in cluster.node_tmp and cut.job is not None
     cluster.node("crash", cut.host)
 
@@ -127,7 +127,7 @@ def test_a_node_that_crashes_under_a_run_loses_nothing_and_duplicates_nothing(
         ("b", "done", 1.0),
         ("c", "done", 1.0),
     ]
-    markers = read_markers(run_dir)
+    markers = RunTrials(run_dir).markers
     assert sorted(m.task for m in markers) == ["a", "b", "b", "c"]  # b cut once, run again
     assert cut.trial not in {s["trial"] for s in status}
     out = cluster.work / "rollouts.jsonl"

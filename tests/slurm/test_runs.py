@@ -22,11 +22,12 @@ import psutil
 import pytest
 
 from harbor_hpc.api import InputError, Progress, RolloutRequest, run_rollouts
-from harbor_hpc.results.record import RunPaths, load_run, read_markers
+from harbor_hpc.results.outcomes import RunTrials
+from harbor_hpc.results.record import RunPaths, load_run
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
 from tests.support.probe_agent import AGENT, seen_by
-from tests.support.processes import job_processes, processes_naming
+from tests.support.processes import gone_within, job_processes, processes_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import fill, small_disk, unfill
 from tests.support.users import other_user_command
@@ -280,12 +281,15 @@ def test_export_writes_one_rollout_per_trial(suite_run: Path, tmp_path: Path) ->
 
 
 def test_a_deleted_trial_is_restored_by_resubmit_and_nothing_else_reruns(suite_run: Path) -> None:
+    # A run's trials end before its jobs do: a job still queued would have the trial running.
+    jobs = [chunk.job for sub in load_run(suite_run).submissions for chunk in sub.chunks]
+    assert gone_within(120, lambda: sorted(queued_jobs([job for job in jobs if job]))) == []
     before = by_task(cli_json("status", str(suite_run)))
     victim = before[SOLVED[1]]["trial"]
     shutil.rmtree(RunPaths(suite_run).trial(victim))
     lost = by_task(cli_json("status", str(suite_run)))[SOLVED[1]]
     assert (lost["state"], lost["failure"]) == ("failed", "infrastructure")
-    markers_before = len(read_markers(suite_run))
+    markers_before = len(RunTrials(suite_run).markers)
 
     waited = cli("resubmit", str(suite_run), "--wait", "--json", check=False)
     assert waited.returncode == 1, waited.stderr  # the failed attempts still are
@@ -295,7 +299,7 @@ def test_a_deleted_trial_is_restored_by_resubmit_and_nothing_else_reruns(suite_r
     assert sorted(resubmitted["image_problems"]) == ["gone", "noimage"]
     after = by_task(cli_json("status", str(suite_run)))
     assert after[SOLVED[1]]["state"] == "done" and after[SOLVED[1]]["trial"] != victim
-    assert len(read_markers(suite_run)) == markers_before + 1
+    assert len(RunTrials(suite_run).markers) == markers_before + 1
     for task, status in after.items():
         if task != SOLVED[1]:
             assert status == before[task], task
@@ -343,7 +347,7 @@ def test_a_requeued_job_resumes_its_chunk_without_rerunning_finished_trials(
     )  # fmt: skip
     (job,) = submitted["job_ids"]
     deadline = time.monotonic() + 120
-    while len(read_markers(run_dir)) < 2 and time.monotonic() < deadline:
+    while len(RunTrials(run_dir).markers) < 2 and time.monotonic() < deadline:
         time.sleep(0.5)  # the quick one is done once the sleepy one has started
     subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)
     # Slurm holds a requeued job for two minutes (its credentials' lifetime); what is tested
@@ -364,7 +368,7 @@ def test_a_requeued_job_resumes_its_chunk_without_rerunning_finished_trials(
         "a-quick": ("done", 1.0),
         "b-sleepy": ("done", 1.0),
     }
-    markers = read_markers(run_dir)
+    markers = RunTrials(run_dir).markers
     assert [m.task for m in markers].count("a-quick") == 1  # never run twice
     assert [m.task for m in markers].count("b-sleepy") == 2  # cut off, then run again
 
@@ -385,7 +389,7 @@ def start_two_trials(debian_sif: Path, tmp_path: Path, kind: str) -> tuple[Path,
     )  # fmt: skip
     jobs: list[str] = submitted["job_ids"]
     deadline = time.monotonic() + 180
-    while len(read_markers(run_dir)) < 2:
+    while len(RunTrials(run_dir).markers) < 2:
         assert time.monotonic() < deadline, "the trials never started"
         assert queued_jobs(jobs), f"jobs {jobs} ended before their trials started"
         time.sleep(0.5)
@@ -419,7 +423,7 @@ def rerun_to_reward_one(
     assert {(s["state"], s["reward"]) for s in done} == {("done", 1.0)}, done
     assert not old & {s["trial"] for s in done}
     assert all(RunPaths(run_dir).trial(trial).is_dir() for trial in old)  # kept, not reused
-    counted = [m.task for m in read_markers(run_dir)]
+    counted = [m.task for m in RunTrials(run_dir).markers]
     assert sorted(counted) == sorted([*TWO, *TWO])  # once cut short, once done
     return done
 
