@@ -86,7 +86,8 @@ import psutil
 from bench_ray_fleet import ray_cluster
 
 from harbor_hpc.api import RolloutRequest, run_rollouts
-from harbor_hpc.results.record import load_run, read_markers
+from harbor_hpc.results.outcomes import RunTrials
+from harbor_hpc.results.record import load_run
 from tests.support.images import build_debian_sif
 from tests.support.multinode import multinode_work
 from tests.support.sample_tasks import make_task
@@ -340,7 +341,7 @@ class Step:
 
 
 def read_trials(run_dir: Path, lines: list[dict[str, Any]]) -> list[Trial]:
-    markers = {marker.trial: marker for marker in read_markers(run_dir)}
+    markers = {marker.trial: marker for marker in RunTrials(run_dir).markers}
     trials = []
     for line in lines:
         trial_dir = Path(line["trial_dir"])

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.results.record import load_run, read_markers
+from harbor_hpc.results.outcomes import RunTrials
+from harbor_hpc.results.record import load_run
 from harbor_hpc.slurm import cluster
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import make_task
@@ -44,7 +45,7 @@ def _tasks(root: Path, count: int, image: Path) -> Path:
 
 def _each_unit_ran_once(run_dir: Path) -> None:
     record = load_run(run_dir)
-    started = sorted((m.task, m.attempt) for m in read_markers(run_dir))
+    started = sorted((m.task, m.attempt) for m in RunTrials(run_dir).markers)
     assert started == sorted((u.task, u.attempt) for u in record.units())
     jobs = [chunk.job for sub in record.submissions for chunk in sub.chunks]
     assert None not in jobs and len(set(jobs)) == len(jobs)
