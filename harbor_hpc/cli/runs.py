@@ -252,11 +252,30 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
 
     Example: harbor-hpc status runs/oracle -v
     """
-    from harbor_hpc.steps.runs import run_status
+    from harbor_hpc.steps.runs import run_status, unset_agent_env
 
     setup(verbose)
     found = run_status(run_dir)
     render(found, json=json, show=lambda shown: _show_status(shown, verbose=verbose > 0))
+    if unset := unset_agent_env(run_dir):
+        warn(
+            f"elements wait to be queued, but the run's --agent-env {', '.join(unset)} is not "
+            "set here, which their agent needs: set it, then run status again"
+        )
+
+
+@app.command(short_help="Stop a run: its trials end, its queued elements never start.")
+def cancel(run_dir: RunDirArgument) -> None:
+    """Stop what is left of a run: its workers end their trials within seconds (each fails,
+    infrastructure, for `resubmit`), its elements still in the queue leave it, and those that
+    wait to be queued (a limit on queued jobs) never are. Finished trials stay as they are.
+
+    Example: harbor-hpc cancel runs/oracle
+    """
+    from harbor_hpc.steps.runs import cancel_run
+
+    cancel_run(run_dir)
+    info(f"cancelled {run_dir}: `harbor-hpc status` shows what had ended")
 
 
 @app.command(short_help="Rerun the attempts of a run that have no finished trial.")
@@ -378,6 +397,8 @@ def _show_submission(result: SubmitResult) -> None:
         info(f"would submit {what} with the {result.executor} executor to {result.run_dir}")
     else:
         jobs = ", ".join(result.job_ids) or "none yet"
+        if result.waiting:
+            what += f", {result.queued} queued now"
         info(f"submitted {what}: {result.executor} job(s) {jobs}")
         if result.waiting:
             waits = len(result.chunks) - result.queued
@@ -522,7 +543,10 @@ def _follow(run_dir: Path) -> None:
         else:  # a log: Live would leave its last frame there, beside the line below
             *_, now = follow(run_dir)
     except KeyboardInterrupt:  # Ctrl-C: local jobs ignore it, as Slurm's never see it
-        info(f"interrupted: the waiting stopped, the run goes on (harbor-hpc status {run_dir})")
+        info(
+            f"interrupted: the waiting stopped, the run goes on (harbor-hpc status {run_dir}; "
+            "each status also queues elements that wait for room under your limits)"
+        )
         raise SystemExit(130) from None
     info(_summary_line(now.summary))
     failed: dict[str, list[str]] = {}

@@ -635,10 +635,32 @@ def executor(folder: Path, where: Executor, request: JobRequest) -> submitit.Exe
     parameters["setup"] = request.placement.render("array_setup.sh").splitlines()
     if request.gpus:
         # GRES is what every Slurm with GPUs takes; a gres of the user's (--sbatch-arg) wins.
-        kind = f"{request.gpu_type}:" if request.gpu_type else ""
-        parameters["gres"] = f"gpu:{kind}{request.gpus}"
+        parameters["gres"] = _gres(request)
     slurm.update_parameters(**parameters)
     return slurm
+
+
+def _gres(request: JobRequest) -> str:
+    kind = f"{request.gpu_type}:" if request.gpu_type else ""
+    return f"gpu:{kind}{request.gpus}"
+
+
+def try_request(request: JobRequest, *, what: str, hint: str) -> None:
+    """Ask Slurm whether it would take an element of `request` (`sbatch --test-only`, nothing
+    queued): its refusal (a partition, account, QOS or size it does not take) is a `SlurmError`
+    naming `what`, as `submit_array`'s; the user's limit on queued jobs is no refusal here."""
+    flags = [line.removeprefix("#SBATCH ") for line in request.placement.script_lines()]
+    flags += [f"--time={request.time_min}", f"--mem={request.mem_mb}M"]
+    flags += [
+        f"--cpus-per-task={request.cpus}",
+        *([f"--gres={_gres(request)}"] * (request.gpus > 0)),
+    ]
+    require_sbatch(what, hint="run on a Slurm login node (`module load slurm`?)")
+    ran = run(["sbatch", "--test-only", *flags, "--wrap", "true"], timeout=SBATCH_TIMEOUT_S)
+    if ran.ok or _SUBMIT_LIMIT_WORDS.search(ran.stderr):
+        return
+    said = " ".join(ran.stderr.split()) or ran.why()
+    raise _refused(what, said, hint, answered=not ran.error)
 
 
 def submit_array(

@@ -7,6 +7,7 @@ still alive, which the executor's side (`harbor_hpc.slurm.runs.live_jobs`) gives
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,15 @@ def run_status(run_dir: Path) -> RunStatus:
     queue_waiting(run_dir)
     record = load_run(run_dir)
     return RunStatus.of(attempt_statuses(run_dir, record, live_jobs(record)))
+
+
+def unset_agent_env(run_dir: Path) -> list[str]:
+    """The run's `--agent-env` variables this process lacks while elements of it wait to be
+    queued: without them `queue_waiting` queues nothing here (the agent would miss them)."""
+    record = load_run(run_dir)
+    if not any(sub.waits for sub in record.submissions):
+        return []
+    return [name for name in record.agent_env if name not in os.environ]
 
 
 def export(

@@ -22,9 +22,10 @@ from harbor_hpc.results.record import (
 from harbor_hpc.results.status import attempt_statuses
 from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
 from harbor_hpc.slurm.runs import live_jobs
-from harbor_hpc.steps.runs import cancel_run, follow, run_status
+from harbor_hpc.steps.runs import follow, run_status
 from harbor_hpc.steps.submit import SubmitOptions, resubmit_run, submit_run
 from tests.results.test_status import marker, record_with
+from tests.support.cli import cli
 from tests.support.fake_slurm import SBATCH_BAD_PARTITION, SBATCH_UNREACHABLE, FakeSlurm
 from tests.support.sample_tasks import make_task
 
@@ -65,7 +66,7 @@ def test_a_refused_submission_is_one_line_and_leaves_no_run(
         "sbatch: error: Batch job submission failed: Invalid partition name specified"
     )
     assert refused.value.exit_code == 2  # the request must change: bad input
-    assert not RunPaths(run_dir).record.exists()  # nothing ran: the same submit can run again
+    assert not run_dir.exists()  # nothing ran, nothing left: the same submit can run again
     assert capsys.readouterr().err == ""  # sbatch's words once, in the error, not raw before it
 
     # A controller that cannot be reached is the cluster's failure, not the request's.
@@ -146,7 +147,8 @@ def test_a_refusal_for_the_users_limit_on_queued_jobs_leaves_the_rest_waiting(
 def test_a_cancelled_run_queues_nothing_that_waited(fake_slurm: FakeSlurm, tmp_path: Path) -> None:
     run_dir = _waiting_run(fake_slurm, tmp_path)
     fake_slurm.answer("squeue", "4242\n")
-    cancel_run(run_dir)  # as a trainer's deadline does
+    cancelled = cli("cancel", str(run_dir))  # as a trainer's deadline does (cancel_run)
+    assert f"cancelled {run_dir}" in cancelled.stderr
     assert by_task(run_dir)["small"] == ("failed", "infrastructure")
     small = next(s for s in run_status(run_dir).attempts if s.task == "small")
     assert small.message == "not started: a cancel of the run came before it was queued"

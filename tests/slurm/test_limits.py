@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -94,3 +95,28 @@ def test_status_says_what_waits_and_queues_it_as_room_frees(
         time.sleep(3)
     assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}
     _each_unit_ran_once(run_dir)
+
+
+@pytest.mark.usefixtures("low_limits")
+def test_a_wrong_partition_is_refused_even_when_nothing_could_be_queued(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    # The user's queue is full: nothing of the run can go out now, yet a partition Slurm does not
+    # take is said now (sbatch --test-only), not at a later wave the run could never pass.
+    held = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "-o", "/dev/null", "--array=0-19", "--wrap", "true"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        tasks = _tasks(tmp_path / "tasks", 2, debian_sif)
+        run_dir = tmp_path / "run"
+        argv = ["submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir)]
+        refused = cli(*argv, "--executor", "slurm", "--partition", "nosuch", check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert "invalid partition specified: nosuch" in refused.stderr
+        assert not run_dir.exists()  # nothing half-made: the same submit, fixed, runs again
+        waits = cli(*argv, "--executor", "slurm", "--partition", "limits")
+        assert "2 elements not queued yet" in waits.stderr
+        assert cli_json("status", str(run_dir))[0]["state"] == "pending"
+    finally:
+        cluster.cancel(held.stdout.strip().split(";")[0])

@@ -297,10 +297,15 @@ def _launch(
 
 
 def _forget_run(run_dir: Path) -> None:
+    """Leave no trace of a run nothing of which was queued: the folder as it was before (gone,
+    when submit made it; what else it held stays)."""
     paths = RunPaths(run_dir)
-    for path in (paths.record, paths.lock):
-        path.unlink(missing_ok=True)
+    for path in (paths.record, paths.lock, paths.submit_lock):
+        path.unlink(missing_ok=True)  # a lock held still holds: its file may go
     shutil.rmtree(paths.submitit, ignore_errors=True)
+    for folder in (paths.markers, paths.trials, run_dir):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
 
 
 @contextlib.contextmanager
@@ -327,6 +332,9 @@ _given_env: dict[Path, dict[str, str]] = {}
 SUBMIT_LIMIT_REACHED = "Slurm's limit on your queued jobs (MaxSubmitJobs) is reached"
 
 
+_HINT = "check --partition/--account/--qos and the resources"
+
+
 def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = None) -> int:
     """Queue the chunks of submission `number` that have no job yet, as many as the cluster
     takes now: one array job per group of equal resources, no more elements an array than
@@ -350,16 +358,17 @@ def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = Non
     waiting: str | None = None
     with _exported(env or {}):
         for resources, indices in by_resources.items():
-            pool = cluster.executor(
-                RunPaths(run_dir).submitit / "%j",
-                executor,
-                _request(run_dir, record, Resources.of_json(json.loads(resources))),
-            )
+            request = _request(run_dir, record, Resources.of_json(json.loads(resources)))
+            pool = cluster.executor(RunPaths(run_dir).submitit / "%j", executor, request)
             while indices and waiting is None:
                 size = min(len(indices), array_limit or len(indices))
                 if room is not None:
                     size = min(size, room)
                 if size == 0:
+                    if not any(c.resources == submission.chunks[indices[0]].resources
+                               and c.job for c in submission.chunks):  # fmt: skip
+                        # None of these went out yet: what sbatch would refuse is said now.
+                        cluster.try_request(request, what="the run's array job", hint=_HINT)
                     waiting = SUBMIT_LIMIT_REACHED
                     break
                 part = indices[:size]
@@ -369,7 +378,7 @@ def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = Non
                         worker,
                         [[u.to_json() for u in submission.chunks[i].units] for i in part],
                         what="the run's array job",
-                        hint="check --partition/--account/--qos and the resources",
+                        hint=_HINT,
                     )
                 except cluster.SubmitLimitReached:
                     room = size // 2  # a limit Slurm did not name (a QOS's): less, until one
