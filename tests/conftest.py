@@ -170,8 +170,9 @@ def _registry_missing() -> str | None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Which tests run on one worker, one after another (tests/support/scheduling.py): the
     multi-node cluster's, which crash its nodes and count this user's jobs and processes on
-    them; and a module's tests that share a fixture of the module's (made once). The rest go to
-    whichever worker is free. Longest first: the multi-node chain, the groups, the other
+    them; the cluster with low limits', which share the user's limit on queued jobs there; and
+    a module's tests that share a fixture of the module's (made once). The rest go to whichever
+    worker is free. Longest first: the multi-node chain, the groups, the other
     integration tests, then the unit tests, which fill the gaps at the end."""
     groups, order = {}, {}
     for item in items:
@@ -179,6 +180,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         defs = fixtures.name2fixturedefs.values() if fixtures else ()
         if item.get_closest_marker("multinode"):
             groups[item.nodeid], order[item.nodeid] = "multinode", 0
+        elif item.get_closest_marker("limits"):  # they share the user's limit on queued jobs
+            groups[item.nodeid], order[item.nodeid] = "limits", 0
         elif any(definition[-1].scope == "module" for definition in defs):
             groups[item.nodeid], order[item.nodeid] = item.nodeid.split("::")[0], 1
         else:
