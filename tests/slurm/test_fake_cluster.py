@@ -77,9 +77,8 @@ def test_a_refused_submission_is_one_line_and_leaves_no_run(
     assert not RunPaths(run_dir).record.exists()
 
 
-def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
-    fake_slurm: FakeSlurm, tmp_path: Path
-) -> None:
+def _two_arrays(fake_slurm: FakeSlurm, tmp_path: Path, second_refused: str) -> Path:
+    """Tasks of two sizes (two arrays: big's first), whose second sbatch Slurm refuses so."""
     sif = tmp_path / "there.sif"
     sif.write_text("")
     tasks = tmp_path / "tasks"
@@ -87,12 +86,18 @@ def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
     make_task(tasks, "big", image=str(sif), memory_mb=16384, agent_timeout_sec=60)
     fake_slurm.answer("sinfo", "2 32000\n")
     fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
-    fake_slurm.answer(
-        "sbatch",
-        stderr="sbatch: error: Batch job submission failed: Invalid account or "
-        "account/partition combination specified\n",
-        returncode=1,
-        call=2,
+    fake_slurm.answer("sbatch", stderr=second_refused, returncode=1, call=2)
+    return tasks
+
+
+def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
+    fake_slurm: FakeSlurm, tmp_path: Path
+) -> None:
+    tasks = _two_arrays(
+        fake_slurm,
+        tmp_path,
+        "sbatch: error: Batch job submission failed: Invalid account or account/partition "
+        "combination specified\n",
     )
     run_dir = tmp_path / "run"
     with pytest.raises(SlurmError) as refused:
@@ -106,20 +111,11 @@ def test_a_refusal_after_an_array_was_queued_is_a_partial_failure(
 def _waiting_run(fake_slurm: FakeSlurm, tmp_path: Path) -> Path:
     """A run of two arrays, the second refused for a limit on queued jobs Slurm's associations
     do not name (a QOS's): sbatch's refusal finds it, and the second array waits."""
-    sif = tmp_path / "there.sif"
-    sif.write_text("")
-    tasks = tmp_path / "tasks"
-    make_task(tasks, "small", image=str(sif), memory_mb=512, agent_timeout_sec=60)
-    make_task(tasks, "big", image=str(sif), memory_mb=16384, agent_timeout_sec=60)
-    fake_slurm.answer("sinfo", "2 32000\n")
-    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
-    fake_slurm.answer(
-        "sbatch",
-        stderr="sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission "
-        "failed: Job violates accounting/QOS policy (job submit limit, user's size and/or time "
-        "limits)\n",
-        returncode=1,
-        call=2,
+    tasks = _two_arrays(
+        fake_slurm,
+        tmp_path,
+        "sbatch: error: QOSMaxSubmitJobPerUserLimit\nsbatch: error: Batch job submission failed: "
+        "Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)\n",
     )
     run_dir = tmp_path / "run"
     submitted = submit_run(tasks, run_dir, options())
