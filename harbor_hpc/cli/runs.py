@@ -39,6 +39,7 @@ from harbor_hpc.cli.app import (
 from harbor_hpc.core.errors import ReportedFailure
 from harbor_hpc.results.classify import AttemptState
 from harbor_hpc.results.export import ExportFormat
+from harbor_hpc.results.status import NOT_QUEUED
 
 if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
     from harbor_hpc.results.export import Export
@@ -302,7 +303,9 @@ def resubmit(
     setup(verbose)
     result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
     if result.skipped:
-        warn(f"{len(result.skipped)} attempt(s) still pending or running; left alone")
+        unqueued = sum(1 for s in result.skipped if (s.message or "").startswith(NOT_QUEUED))
+        waits = f" ({unqueued} {NOT_QUEUED}: queued as your limits leave room)" if unqueued else ""
+        warn(f"{len(result.skipped)} attempt(s) still pending or running{waits}; left alone")
     _warn_before_submitting(result)
     render(result, json=json, show=_show_submission)
     if wait and not dry_run:
@@ -457,8 +460,8 @@ Line = tuple[str, list[tuple[int, int, str]]]
 def _status_lines(found: RunStatus, verbose: bool, width: int) -> Iterator[Line]:
     """The table of `status`: a header, then a row per attempt, each column as wide as its
     widest cell, the task's (and the trial's) folded onto more lines where the whole would be
-    wider than `width`; then each failed attempt's message, cut to one line (`verbose`:
-    folded, whole)."""
+    wider than `width`; then each ended attempt's message, cut to one line (`verbose`: folded,
+    whole, and the messages of those that wait too)."""
     header = ["task", "#", "state", "reward", "failure"] + (["trial"] if verbose else [])
     rows = [
         [
@@ -480,7 +483,8 @@ def _status_lines(found: RunStatus, verbose: bool, width: int) -> Iterator[Line]
     for row, s in zip(rows, found.attempts, strict=True):
         yield from _row(row, widths, STATE_COLOURS[s.state])
     for s in found.attempts:
-        if s.message:
+        # Why attempts wait is counted in the summary line below; each is named with -v.
+        if s.message and (verbose or s.state not in (AttemptState.PENDING, AttemptState.RUNNING)):
             said = f"{s.task} #{s.attempt}"
             yield said, [(0, len(said), "bold")]
             for line in s.message.splitlines() or [""]:

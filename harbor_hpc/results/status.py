@@ -72,6 +72,9 @@ class _JobFate:
     reason: str | None = None
 
 
+# What a pending attempt of an element not queued yet says first (then why).
+NOT_QUEUED = "not queued yet"
+
 # A pending attempt says why it waits (Slurm's reason) once its submission is this old.
 WAIT_TOLD_S = 60.0
 
@@ -200,7 +203,7 @@ def _status_of(
     if fate.job is None and cancelled >= fate.submission.number:
         return status(failed, lost, f"not started: {CANCELLED} came before it was queued")
     if fate.job is None and fate.submission.waits:
-        return status(AttemptState.PENDING, message=f"not queued yet: {fate.submission.waiting}")
+        return status(AttemptState.PENDING, message=f"{NOT_QUEUED}: {fate.submission.waiting}")
     if fate.job is None:
         return status(failed, lost, "its submission failed before a job was queued")
     if cancelled >= fate.submission.number:
