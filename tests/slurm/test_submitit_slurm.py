@@ -35,8 +35,10 @@ def test_an_array_runs_and_leaves_the_queue(tmp_path: Path) -> None:
     assert [job.result() for job in jobs] == [4, 9]
 
 
-def sleep_long(seconds: int) -> None:
-    time.sleep(seconds)
+def run_long(folder: str) -> None:
+    """Say it runs (submitit's signal handlers are in place before this is called), then wait."""
+    (Path(folder) / "running").write_text("")
+    time.sleep(300)
 
 
 @pytest.mark.slurm
@@ -45,15 +47,15 @@ def test_an_element_is_its_batch_script_and_gets_the_requeue_warning(tmp_path: P
     # shell itself (exec), which is what Slurm's warning before the time limit reaches (B:).
     request = JobRequest("harbor-hpc-test", time_min=30, mem_mb=200, cpus=1)
     pool = cluster.executor(tmp_path / "%j", Executor.SLURM, request)
-    [job] = cluster.submit_array(pool, sleep_long, [300], what="the test array", hint="")
+    [job] = cluster.submit_array(pool, run_long, [str(tmp_path)], what="the test array", hint="")
     script = next(tmp_path.rglob("*_submission.sh")).read_text()
     assert not [line for line in script.splitlines() if line.startswith("srun")]
     assert "\nexec " in script
     assert "#SBATCH --signal=B:USR2@" in script
     try:
         deadline = time.monotonic() + 120
-        while "Starting with JobEnvironment" not in _logs(job):
-            assert time.monotonic() < deadline, "the element did not start"
+        while not (tmp_path / "running").exists():
+            assert time.monotonic() < deadline, _logs(job) or "the element did not start"
             time.sleep(0.5)
         # What Slurm sends the batch shell before the time limit (--signal=B:USR2@...).
         signal = ["scancel", "--batch", "--signal=USR2", job.job_id]
