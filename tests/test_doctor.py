@@ -160,6 +160,14 @@ def test_slurm_here_is_reachable_with_partitions() -> None:
     assert partition in checks["partitions"].detail
     # The test clusters hold jobs to their memory, as production clusters do (.ci/cgroup.conf).
     assert checks["jobs' memory"].detail.startswith("held to their --mem (task/cgroup")
+    # No accounting on this cluster: no limit on queued jobs (the limits stage has one).
+    assert "no limit on your queued jobs known" in checks["job limits"].detail
+
+
+def test_a_full_queue_is_a_warning_saying_what_frees_it() -> None:
+    found = slurm_probes.judge_limits(100, 0)
+    assert found.status is Status.WARN and "nothing of a run goes out now" in found.detail
+    assert "squeue --me" in found.fix
 
 
 def test_a_cluster_without_cgroups_leaves_memory_to_the_watchdog() -> None:

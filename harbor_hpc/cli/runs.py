@@ -398,6 +398,12 @@ def _show_submission(result: SubmitResult) -> None:
         what += f" ({_sizing(result.groups[0].resources)})"
     if result.dry_run:
         info(f"would submit {what} with the {result.executor} executor to {result.run_dir}")
+        if result.waiting:
+            waits = len(result.chunks) - result.queued
+            info(
+                f"{_count(waits, 'element')} would wait to be queued: {result.waiting} "
+                f"({result.queued} more now); they are queued as your jobs leave the queue"
+            )
     else:
         jobs = ", ".join(result.job_ids) or "none yet"
         if result.waiting:

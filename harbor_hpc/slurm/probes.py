@@ -1,10 +1,13 @@
 """Whether Slurm works here, for this user: the Slurm part of `harbor-hpc doctor`.
 
-The commands on PATH, a controller that answers, and a partition with a node that can run jobs,
-asked through the same calls submit and status make (cluster.py).
+The commands on PATH, a controller that answers, a partition with a node that can run jobs,
+how jobs' memory is held, and the limits on arrays and on this user's queued jobs, asked through
+the same calls submit and status make (cluster.py).
 """
 
 from __future__ import annotations
+
+import getpass
 
 from harbor_hpc.core.probe import Finding, Status
 from harbor_hpc.slurm import cluster
@@ -33,6 +36,11 @@ def findings() -> list[Finding]:
         checks.append(judge_memory(cluster.config()))
     except SlurmError as exc:
         checks.append(Finding("jobs' memory", Status.WARN, exc.message, exc.hint or ""))
+    try:
+        room = cluster.submit_room(getpass.getuser())
+        checks.append(judge_limits(cluster.max_array_size(), room))
+    except SlurmError as exc:
+        checks.append(Finding("job limits", Status.WARN, exc.message, exc.hint or ""))
     return checks
 
 
@@ -57,6 +65,33 @@ def judge_memory(config: dict[str, str]) -> Finding:
         f"not held to their --mem by Slurm (TaskPlugin {config.get('TaskPlugin', 'unknown')}, "
         f"{tracked}): the watchdog alone holds each task to its memory_mb",
     )
+
+
+def judge_limits(max_array: int, room: int | None) -> Finding:
+    """What the cluster's limits on arrays (MaxArraySize) and on this user's queued jobs
+    (MaxSubmitJobs, GrpSubmitJobs: `room` more now, None where none is known) make of a run."""
+    arrays = f"arrays of up to {max_array} elements (MaxArraySize)"
+    if room is None:
+        return Finding(
+            "job limits",
+            Status.OK,
+            f"{arrays}; no limit on your queued jobs known (none set, or Slurm keeps it "
+            "private): should sbatch refuse one, submit queues fewer and the rest in waves",
+        )
+    waves = (
+        "a run of more elements is queued in waves as yours leave the queue, while "
+        "`submit --wait`, `status` or a trainer's call follows it"
+    )
+    said = f"{arrays}; you may queue {room} more job(s) now, each array element one"
+    if room == 0:
+        return Finding(
+            "job limits",
+            Status.WARN,
+            f"{said} (MaxSubmitJobs): nothing of a run goes out now; {waves}",
+            "wait for your jobs to leave the queue (`squeue --me`), or `scancel` those you "
+            "no longer need",
+        )
+    return Finding("job limits", Status.OK, f"{said} (MaxSubmitJobs): {waves}")
 
 
 def _controller_down(ping: Ping) -> Finding:

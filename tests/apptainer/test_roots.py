@@ -26,7 +26,7 @@ from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.core.scratch import remove_private_dir
 from tests.support.cli import cli, cli_json
 from tests.support.environments import started
-from tests.support.processes import container_processes, gone_within, processes_naming
+from tests.support.processes import container_processes, gone_within, left_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import small_disk
 
@@ -77,7 +77,7 @@ def test_containers_run_from_one_unpacked_root(debian_sif: Path, tmp_path: Path)
     assert (folder / root / "usr" / "bin" / "python3").exists()
     assert not (folder / root / "usr" / "made").exists()
     assert gone_within(10, lambda: container_processes(debian_sif)) == []
-    assert gone_within(10, lambda: [str(p.pid) for p in processes_naming(str(folder))]) == []
+    assert gone_within(10, lambda: left_naming(str(folder))) == []
 
 
 def test_roots_in_use_stay_and_the_least_recently_used_go(debian_sif: Path, tmp_path: Path) -> None:

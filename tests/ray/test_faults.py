@@ -21,7 +21,7 @@ from harbor_hpc.slurm.cluster import queued_jobs
 from tests.ray.conftest import RayCluster
 from tests.ray.test_environment import drive, lines, next_line
 from tests.support.cli import cli, cli_json
-from tests.support.processes import container_processes, gone_within
+from tests.support.processes import container_processes, gone_within, named
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -157,9 +157,9 @@ def kill_host_but_not_its_fuse_helpers(node_id: str) -> None:
     while the FUSE helpers those starters ran are not: they keep their mount namespace alive
     and nobody is left to unmount what they serve."""
     host = host_of(node_id)
-    below = host.children(recursive=True)
-    assert any(process.name() in FUSE_HELPERS for process in below)
-    for process in [host, *(p for p in below if p.name() not in FUSE_HELPERS)]:
+    below = named(host.children(recursive=True))  # one that ends meanwhile is left out
+    assert any(name in FUSE_HELPERS for name in below.values())
+    for process in [host, *(p for p, name in below.items() if name not in FUSE_HELPERS)]:
         with contextlib.suppress(psutil.Error):
             process.kill()
 

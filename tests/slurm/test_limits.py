@@ -61,8 +61,14 @@ def test_more_elements_than_the_user_may_queue_run_in_waves_with_submit_wait(
     run_dir = tmp_path / "run"
     argv = ["submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir)]
     argv += ["--executor", "slurm", "--tasks-per-job", "1", "--attempts", "2", "-c", "2"]
-    argv.append("--wait")
-    done = cli(*argv, check=False)
+    # The doctor and a dry run say it first.
+    limits = {c["check"]: c for c in cli_json("doctor")}["job limits"]
+    assert f"arrays of up to {MAX_ARRAY_SIZE} elements" in limits["detail"]
+    assert f"you may queue {MAX_SUBMIT_JOBS} more job(s) now" in limits["detail"]
+    planned = cli(*argv, "--dry-run").stderr
+    assert "10 elements would wait to be queued: Slurm's limit" in planned
+    assert not run_dir.exists()
+    done = cli(*argv, "--wait", check=False)
     assert done.returncode == 0, done.stderr
     # 30 elements, 20 queued at first: the rest waited, and said so.
     assert "60 trial(s) in 30 element(s)" in done.stderr

@@ -27,7 +27,7 @@ from harbor_hpc.results.record import RunPaths, load_run
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.support.cli import cli, cli_json
 from tests.support.probe_agent import AGENT, seen_by
-from tests.support.processes import gone_within, job_processes, processes_naming
+from tests.support.processes import gone_within, job_processes, named, processes_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import fill, small_disk, unfill
 from tests.support.users import other_user_command
@@ -316,7 +316,7 @@ def test_a_cancelled_job_is_finished_by_resubmit(debian_sif: Path, tmp_path: Pat
     # The job's end takes every process of it (proctrack/cgroup): its containers' agents too.
     deadline = time.monotonic() + 120
     held = job_processes(jobs[0])
-    while names_of(held).count("sleep") < len(TWO):
+    while list(named(held).values()).count("sleep") < len(TWO):
         assert time.monotonic() < deadline, "the agents' commands never ran"
         time.sleep(0.5)
         held = job_processes(jobs[0])
@@ -394,14 +394,6 @@ def start_two_trials(debian_sif: Path, tmp_path: Path, kind: str) -> tuple[Path,
         assert queued_jobs(jobs), f"jobs {jobs} ended before their trials started"
         time.sleep(0.5)
     return run_dir, tasks, jobs
-
-
-def names_of(processes: list[psutil.Process]) -> list[str]:
-    names = []
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            names.append(process.name())
-    return names
 
 
 def wait_for_jobs(job_ids: list[str], deadline: float) -> None:

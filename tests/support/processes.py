@@ -11,6 +11,7 @@ parent other than this test's process) is that environment's, not a leftover.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -101,13 +102,37 @@ def _user_namespace(pid: int) -> str | None:
 
 
 def processes_naming(*parts: str) -> list[psutil.Process]:
-    """This user's processes whose command line holds each of `parts`."""
+    """This user's live processes whose command line holds each of `parts` (read once, as
+    they are listed: one may end at any moment after)."""
     found = []
-    for process in psutil.process_iter(["cmdline", "uids"]):
+    for process in psutil.process_iter(["cmdline", "uids", "status"]):
         uids, cmdline = process.info["uids"], " ".join(process.info["cmdline"] or [])
-        if uids is not None and uids.real == os.getuid() and all(p in cmdline for p in parts):
+        if (
+            uids is not None
+            and uids.real == os.getuid()
+            and process.info["status"] != psutil.STATUS_ZOMBIE
+            and all(p in cmdline for p in parts)
+        ):
             found.append(process)
     return found
+
+
+def left_naming(*parts: str) -> list[str]:
+    """`processes_naming(*parts)` as "PID: command line", from what was read as they were
+    listed (a process that ends in between is not asked again)."""
+    return [
+        f"{process.pid}: {' '.join(process.info['cmdline'] or [])}"
+        for process in processes_naming(*parts)
+    ]
+
+
+def named(processes: list[psutil.Process]) -> dict[psutil.Process, str]:
+    """`processes` by their names, leaving out those that ended before their name was read."""
+    names = {}
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            names[process] = process.name()
+    return names
 
 
 def gone_within(seconds: float, still: Callable[[], list[str]]) -> list[str]:

@@ -80,7 +80,8 @@ class SubmitResult:
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
     # Only planned: nothing was queued or recorded.
     dry_run: bool = False
-    # How many elements were queued now, and why the others wait to be (None: none waits).
+    # How many elements were queued now (a dry run: would be), and why the others wait to be
+    # (None: none waits).
     queued: int = 0
     waiting: str | None = None
 
@@ -259,6 +260,7 @@ def _launch(
     result.environment_kwargs = record.environment_kwargs
     result.agent_kwargs = record.agent_kwargs
     if dry_run:
+        result.queued, result.waiting = _would_queue(executor, len(result.chunks))
         return result
     with update_run(run_dir) as fresh:
         for rel in {unit.task for unit in units}:
@@ -294,6 +296,14 @@ def _launch(
     result.job_ids, result.waiting = submission.job_ids, submission.waiting
     result.queued = queued
     return result
+
+
+def _would_queue(executor: Executor, elements: int) -> tuple[int, str | None]:
+    """How many of `elements` the cluster would take now, and why the others would wait."""
+    room = cluster.submit_room(getpass.getuser()) if executor is Executor.SLURM else None
+    if room is None or room >= elements:
+        return elements, None
+    return room, SUBMIT_LIMIT_REACHED
 
 
 def _forget_run(run_dir: Path) -> None:
