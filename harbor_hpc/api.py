@@ -58,7 +58,6 @@ from harbor_hpc.results.status import AttemptStatus, RunStatus
 from harbor_hpc.slurm.cluster import SlurmPlacement
 from harbor_hpc.steps import convert as _convert
 from harbor_hpc.steps import runs as _runs
-from harbor_hpc.steps import submit as _submit
 from harbor_hpc.steps.build import BuildRequest
 from harbor_hpc.steps.convert import ConvertReport, ConvertRequest
 from harbor_hpc.steps.rollouts import (
@@ -68,7 +67,9 @@ from harbor_hpc.steps.rollouts import (
     run_rollouts,
     stream_rollouts,
 )
-from harbor_hpc.steps.submit import SubmitOptions, SubmitResult, configured_options
+from harbor_hpc.steps.submit import launch as _submit
+from harbor_hpc.steps.submit.launch import SubmitResult
+from harbor_hpc.steps.submit.options import SubmitOptions, configured_options
 
 
 def _in_python_words[**P, R](function: Callable[P, R]) -> Callable[P, R]:

@@ -17,7 +17,7 @@ from harbor_hpc.api import (
     run_rollouts,
 )
 from harbor_hpc.steps.rollouts import Backend, in_python_words
-from harbor_hpc.steps.submit import configured_options
+from harbor_hpc.steps.submit.options import configured_options
 from tests.support.sample_tasks import make_task
 from tests.support.scripted_llm import ScriptedLLM
 

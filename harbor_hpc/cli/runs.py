@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
     from harbor_hpc.results.export import Export
     from harbor_hpc.results.status import RunStatus, Summary
     from harbor_hpc.slurm.resources import Resources
-    from harbor_hpc.steps.submit import SubmitResult
+    from harbor_hpc.steps.submit.launch import SubmitResult
 
 RunDirArgument = Annotated[
     Path,
@@ -203,7 +203,8 @@ def submit(
     Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --wait \\
                  --run-dir runs/oracle
     """
-    from harbor_hpc.steps.submit import configured_options, parse_key_values, submit_run
+    from harbor_hpc.steps.submit.launch import submit_run
+    from harbor_hpc.steps.submit.options import configured_options, parse_key_values
 
     config = setup(verbose)
     options = configured_options(
@@ -298,7 +299,7 @@ def resubmit(
 
     Example: harbor-hpc resubmit runs/oracle --failed --wait
     """
-    from harbor_hpc.steps.submit import resubmit_run
+    from harbor_hpc.steps.submit.launch import resubmit_run
 
     setup(verbose)
     result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
@@ -413,8 +414,8 @@ def _show_submission(result: SubmitResult) -> None:
             waits = len(result.chunks) - result.queued
             info(
                 f"{_count(waits, 'element')} not queued yet: {result.waiting}; they are queued "
-                "as your jobs leave the queue, by `submit --wait` or `harbor-hpc status` (with "
-                "the run's --agent-env variables set)"
+                "as your jobs leave the queue, by the run's elements as they end, and by "
+                "`submit --wait` or `harbor-hpc status` (with the run's --agent-env variables set)"
             )
     if len(result.groups) > 1:  # one array each, sized for its tasks
         for group in result.groups:

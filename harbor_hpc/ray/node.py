@@ -150,8 +150,13 @@ def _wait_for(path: Path, ray: subprocess.Popen[bytes] | None) -> str:
     return path.read_text().strip()
 
 
+# Set once Slurm told the node to end (scancel, the time limit): KillWait seconds are left.
+_terminated = threading.Event()
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     # scancel and the time limit send SIGTERM: end Ray and remove the temporary folder.
+    _terminated.set()
     sys.exit(128 + signum)
 
 
@@ -372,8 +377,11 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
     finally:
         # Ended by itself (not stopped), or never there: the workers have no cluster to join.
         ended = no_head or (ray is not None and ray.process.poll() is not None)
-        if ray is not None:
+        if ray is not None and not _terminated.is_set():
             stop_ray(ray.process)
+        # Told to end, Ray is not waited for (Slurm signalled every process of the node, and
+        # Ray's drain outlasts KillWait): what is left is killed, so that the folder's removal
+        # fits in the seconds before Slurm kills this process too, on a busy node as well.
         _end_descendants()
         private.remove()  # overlays hold files of the user's subordinate uids
         if head and ended:  # the job ends

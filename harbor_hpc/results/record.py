@@ -267,6 +267,12 @@ class RunPaths:
         """Says which submissions were cancelled; their workers stop their trials."""
         return self.root / "cancel.json"
 
+    @property
+    def followed(self) -> Path:
+        """Touched at each look at the room under the user's limit on queued jobs while
+        `--wait` or the Python API follows the run (steps/submit/launch.py)."""
+        return self.root / ".followed"
+
     def trial(self, name: str) -> Path:
         return self.trials / name
 

@@ -7,6 +7,10 @@ that already has a finished trial in this submission (or a successful one from a
 requeued element picks up where the killed one stopped and never runs a finished trial twice.
 A trial that was cut off midway is started again under a new trial name.
 
+An element whose trials ended then does what its submitter handed it (`then`: submit queues the
+elements that wait under the user's limit on queued jobs, launch.py), so that a run queued in
+waves goes on with nobody looking at it; what fails there is logged, never the element's.
+
 A run's submissions cancelled from Python (`cancel_submissions`: a trainer's batch deadline)
 are seen within CANCEL_POLL_S: the worker cancels its trials (Harbor stops each environment and
 records `CancelledError`) and starts no more.
@@ -20,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -47,6 +53,8 @@ from harbor_hpc.results.record import (
     write_marker,
 )
 from harbor_hpc.results.status import latest_markers
+
+log = logging.getLogger(__name__)
 
 LOCAL_COST_MAP = "LITELLM_LOCAL_MODEL_COST_MAP"
 CANCEL_POLL_S = 1.0
@@ -78,12 +86,20 @@ def current_job_id() -> str | None:
 
 
 class ChunkWorker(submitit.helpers.Checkpointable):
-    """Runs `units` of the run in `run_dir` for submission number `submission`."""
+    """Runs `units` of the run in `run_dir` for submission number `submission`, then calls
+    `then` with the run's folder (a module-level function: it is pickled with the worker)."""
 
-    def __init__(self, run_dir: str, submission: int, concurrency: int) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        submission: int,
+        concurrency: int,
+        then: Callable[[Path], object] | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.submission = submission
         self.concurrency = concurrency
+        self.then = then
         self.terminated_by: str | None = None
 
     def __call__(self, units: list[list[Any]]) -> dict[str, int]:
@@ -95,6 +111,11 @@ class ChunkWorker(submitit.helpers.Checkpointable):
         todo = self.units_left(run_dir, [Unit.from_json(u) for u in units])
         self._watch_termination()
         asyncio.run(self._run_all(run_dir, record, todo))
+        if self.then is not None and self.terminated_by is None:
+            try:
+                self.then(run_dir)
+            except Exception:  # the trials ended as they did; status and --wait try it again
+                log.warning("after the trials of %s", run_dir, exc_info=True)
         return {"units": len(units), "ran": len(todo)}
 
     def _watch_termination(self) -> None:

@@ -54,7 +54,8 @@ from harbor_hpc.results.export import ExportFormat, rollout_lines
 from harbor_hpc.results.status import RunStatus
 from harbor_hpc.slurm.cluster import Executor
 from harbor_hpc.steps.runs import cancel_run, follow
-from harbor_hpc.steps.submit import configured_options, submit_run
+from harbor_hpc.steps.submit.launch import submit_run
+from harbor_hpc.steps.submit.options import configured_options
 
 RAY_ENVIRONMENT = "harbor_hpc.environment:RaySingularityEnvironment"
 

@@ -20,7 +20,7 @@ from harbor_hpc.results.status import RunStatus, attempt_statuses
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor
 from harbor_hpc.slurm.runs import live_jobs
-from harbor_hpc.steps.submit.launch import queue_waiting
+from harbor_hpc.steps.submit.waves import note_followed, queue_waiting
 
 # `--wait` reads the run's files this often, and asks squeue (which every user of a login
 # node shares) only every SQUEUE_EVERY_S: a trial's end shows first in its result.json.
@@ -67,9 +67,11 @@ def follow(
     four times as long (15 s to a minute: a long run costs the controller two RPCs a minute);
     again after `squeue_every_s` once elements were queued. While elements wait for room
     under the user's limit on queued jobs, the room is asked of Slurm every `squeue_every_s`
-    (one RPC), and what fits is queued.
+    (one RPC), and what fits is queued (the run's elements, told so, leave that to this loop).
     """
     record = load_run(run_dir)
+    if any(sub.waits for sub in record.submissions):
+        note_followed(run_dir)
     alive = live_jobs(record)
     asked = waves = time.monotonic()
     gap = squeue_every_s  # doubled after each answer
@@ -77,6 +79,7 @@ def follow(
         now = time.monotonic()
         if any(sub.waits for sub in record.submissions) and now - waves >= squeue_every_s:
             waves = now
+            note_followed(run_dir)  # the elements leave the waves to this loop
             if queue_waiting(run_dir):
                 # squeue now (the new jobs must count as alive), then again soon.
                 record = load_run(run_dir)

@@ -23,7 +23,8 @@ from harbor_hpc.results.status import attempt_statuses
 from harbor_hpc.slurm.cluster import SlurmError, SlurmPlacement
 from harbor_hpc.slurm.runs import live_jobs
 from harbor_hpc.steps.runs import follow, run_status
-from harbor_hpc.steps.submit import SubmitOptions, resubmit_run, submit_run
+from harbor_hpc.steps.submit.launch import resubmit_run, submit_run
+from harbor_hpc.steps.submit.options import SubmitOptions
 from tests.results.test_status import marker, record_with
 from tests.support.cli import cli
 from tests.support.fake_slurm import SBATCH_BAD_PARTITION, SBATCH_UNREACHABLE, FakeSlurm

@@ -90,8 +90,8 @@ def test_status_says_what_waits_and_queues_it_as_room_frees(
     waiting = [s for s in cli_json("status", str(run_dir)) if s["state"] == "pending"]
     said = {s["message"] for s in waiting if (s["message"] or "").startswith("not queued yet")}
     assert len(said) == 1 and "MaxSubmitJobs" in said.pop()
-    # 20 of 40 queued, at most 8 run at once on the node: 12 or more still wait. Nothing
-    # else follows the run: each look at it queues what now fits.
+    # 20 of 40 queued, at most 8 run at once on the node: 12 or more still wait. Each look at
+    # the run queues what now fits (and so does each element as it ends).
     deadline = time.monotonic() + 600
     while True:
         statuses = cli_json("status", str(run_dir))
@@ -99,6 +99,28 @@ def test_status_says_what_waits_and_queues_it_as_room_frees(
             break
         assert time.monotonic() < deadline, [s for s in statuses if s["state"] != "done"][:3]
         time.sleep(3)
+    assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}
+    _each_unit_ran_once(run_dir)
+
+
+@pytest.mark.usefixtures("low_limits")
+def test_waves_go_on_with_nobody_looking_at_the_run(debian_sif: Path, tmp_path: Path) -> None:
+    """Submitted and left: each element, once its trials ended, queues what now fits."""
+    tasks = _tasks(tmp_path / "tasks", 30, debian_sif)
+    run_dir = tmp_path / "run"
+    argv = ["submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir)]
+    submitted = cli(*argv, "--executor", "slurm", "--tasks-per-job", "1")
+    assert "10 elements not queued yet" in submitted.stderr
+    # Only Slurm is asked from here (status would queue the waves itself).
+    deadline = time.monotonic() + 600
+    while True:
+        record = load_run(run_dir)
+        jobs = [c.job for sub in record.submissions for c in sub.chunks if c.job]
+        if not record.submissions[0].waits and not cluster.queued_jobs(jobs):
+            break
+        assert time.monotonic() < deadline, f"{len(jobs)} of 30 elements queued"
+        time.sleep(3)
+    statuses = cli_json("status", str(run_dir))
     assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}
     _each_unit_ran_once(run_dir)
 

@@ -76,7 +76,8 @@ def test_a_batch_streams_as_it_ends_and_its_deadline_cancels_the_rest(
         done=2, failed=1, running=0, pending=0, total=3
     )
     assert any(p.running for p in seen)
-    assert gone_within(15, lambda: left_naming(str(run_dir))) == []
+    # Nothing is left (on a busy machine the containers take their time to stop).
+    assert gone_within(60, lambda: left_naming(str(run_dir))) == []
     # The run is a run like any other: the cancelled attempt is the one to run again.
     again = resubmit_run(run_dir, dry_run=True)
     assert [unit.task for unit in again.units] == ["straggler"]
@@ -105,4 +106,4 @@ def test_leaving_a_stream_early_cancels_the_rest_and_returns_once_it_ended(
     for name in ("slow-1", "slow-2"):
         assert (statuses[name].state, statuses[name].failure) == ("failed", "infrastructure")
         assert "a cancel of the run" in (statuses[name].message or "")
-    assert gone_within(15, lambda: left_naming(str(run_dir))) == []
+    assert gone_within(60, lambda: left_naming(str(run_dir))) == []

@@ -11,7 +11,6 @@ from harbor_hpc.core.errors import InputError
 from harbor_hpc.results.record import Unit
 from harbor_hpc.slurm.cluster import NodeLimits, SlurmPlacement
 from harbor_hpc.slurm.resources import Resources, chunked, element_resources, fit_to_node
-from harbor_hpc.steps.submit import SubmitOptions, submit_run
 from harbor_hpc.steps.submit.checks import (
     agent_class,
     default_agent_kwargs,
@@ -19,7 +18,8 @@ from harbor_hpc.steps.submit.checks import (
     reference_check,
     takes_kwarg,
 )
-from harbor_hpc.steps.submit.options import ROLLOUT_KWARG
+from harbor_hpc.steps.submit.launch import submit_run
+from harbor_hpc.steps.submit.options import ROLLOUT_KWARG, SubmitOptions
 from harbor_hpc.steps.submit.plan import plan_chunks
 from harbor_hpc.tasks.discovery import discover_tasks
 from tests.support.probe_agent import AGENT, ProbeAgent
