@@ -663,6 +663,35 @@ def try_request(request: JobRequest, *, what: str, hint: str) -> None:
     raise _refused(what, said, hint, answered=not ran.error)
 
 
+# What Slurm and submitit set in a job's environment. A job queued from inside one (an element
+# queueing the next wave, a submit from an interactive allocation) would inherit each that Slurm
+# does not set anew: a single-element array goes out as a plain job, whose submitit read the
+# parent's array ids and ran the parent's chunk instead of its own (submitit.helpers.clean_env
+# hides the same, and the cluster's name with them, which sbatch needs).
+_JOB_VARIABLES = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_")
+_CLUSTER_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS"})
+
+
+@contextlib.contextmanager
+def outside_job() -> Iterator[None]:
+    """Inside a Slurm job, this process's environment without the job's variables while jobs
+    are queued (what sbatch hands to them); as it was again after."""
+    if "SLURM_JOB_ID" not in os.environ:
+        yield
+        return
+    hidden = {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith(_JOB_VARIABLES) and name not in _CLUSTER_VARIABLES
+    }
+    for name in hidden:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+
+
 def submit_array(
     pool: submitit.Executor,
     function: Callable[..., Any],
@@ -672,12 +701,15 @@ def submit_array(
 ) -> list[submitit.Job[Any]]:
     """Queue `function` over `arguments` as one array job; a refusal by sbatch (or an sbatch
     that does not answer) is a `SlurmError` naming `what`."""
+    import submitit
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     # submitit prints a refusing sbatch's stderr as it raises it: the error carries it already.
     printed = io.StringIO()
+    # Local jobs are this process's own: inside an allocation, they run in it.
+    hiding = contextlib.nullcontext() if isinstance(pool, submitit.LocalExecutor) else outside_job()
     try:
-        with contextlib.redirect_stderr(printed):
+        with contextlib.redirect_stderr(printed), hiding:
             jobs = pool.map_array(function, *arguments)
         sys.stderr.write(printed.getvalue())
         return jobs
@@ -764,7 +796,8 @@ def submit_script(script: Path, *, what: str, hint: str) -> str:
     """Queue `script` (its `#SBATCH` lines say what it needs) and return its job id; a refusal
     by sbatch, or an sbatch that does not answer, is a `SlurmError` naming `what`."""
     require_sbatch(what, hint="run on a Slurm login node (`module load slurm`?)")
-    ran = run(["sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
+    with outside_job():
+        ran = run(["sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
     if not ran.ok:
         # An error: sbatch did not run to its end (it did not answer, or we were stopped).
         raise _refused(what, ran.why(), hint, answered=not ran.error)

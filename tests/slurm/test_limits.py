@@ -99,7 +99,8 @@ def test_status_says_what_waits_and_queues_it_as_room_frees(
             break
         assert time.monotonic() < deadline, [s for s in statuses if s["state"] != "done"][:3]
         time.sleep(3)
-    assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}
+    failed = [s for s in statuses if s["state"] != "done"]
+    assert {(s["state"], s["reward"]) for s in statuses} == {("done", 1.0)}, failed
     _each_unit_ran_once(run_dir)
 
 

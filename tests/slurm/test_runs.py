@@ -178,6 +178,28 @@ def test_two_submits_at_once_queue_each_attempt_once(debian_sif: Path, tmp_path:
     assert [p for p in [trials, *trials.rglob("*")] if not_allowed(0o750, p)] == []
 
 
+def test_a_run_submitted_from_inside_an_array_element_runs_its_own_tasks(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """From an element of the user's own array (what an element queueing the next wave is): the
+    run's single element is a plain job, which must not take the outer element's array ids
+    (submitit would run that element's work, not its own)."""
+    tasks = tmp_path / "tasks"
+    make_task(tasks, "inner", image=str(debian_sif), agent_timeout_sec=60)
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "harbor_hpc", "submit", str(tasks), "--agent", "oracle"]
+    argv += ["--run-dir", str(run_dir), "--executor", "slurm", "--wait"]
+    outer = subprocess.run(
+        ["sbatch", "--parsable", "--array=3-3", "--mem=512M", "-o", str(tmp_path / "outer.log"),
+         "--wrap", " ".join(argv)],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    wait_for_jobs([outer.stdout.strip()], time.monotonic() + 300)
+    said = (tmp_path / "outer.log").read_text()
+    [status] = cli_json("status", str(run_dir))
+    assert (status["state"], status["reward"]) == ("done", 1.0), (status, said)
+
+
 def test_a_secret_reaches_the_agent_and_no_file(debian_sif: Path, tmp_path: Path) -> None:
     make_task(tmp_path / "tasks", "secret", kind="secret", image=str(debian_sif))
     run = ["submit", str(tmp_path / "tasks"), "--agent", "oracle", "--run-dir"]
