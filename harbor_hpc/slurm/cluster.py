@@ -567,14 +567,16 @@ def _bounded_slurm_executor() -> type[submitit.SlurmExecutor]:
     for sbatch without a limit. (A class made on first use: submitit loads only then.)"""
     import submitit
 
-    # submitit has no public hook for the sbatch command line nor for the batch script's
-    # command: this overrides its private `_make_submission_command` and
-    # `_make_submission_file_text` (checked with submitit 1.5.4). Should they move, the
-    # overrides would silently do nothing; tests/slurm/test_cluster.py then fails at once.
+    # submitit has no public hook for the sbatch command line (bounded here, and rid of an
+    # enclosing job's variables: `outside_job`) nor for the batch script's command: this
+    # overrides its private `_make_submission_command` and `_make_submission_file_text`
+    # (checked with submitit 1.5.4). Should they move, the overrides would silently do
+    # nothing; tests/slurm/test_cluster.py then fails at once.
     class BoundedSlurmExecutor(submitit.SlurmExecutor):
         def _make_submission_command(self, submission_file_path: Path) -> list[str]:
             sbatch = super()._make_submission_command(submission_file_path)
-            return ["timeout", "--kill-after=5", f"{SBATCH_TIMEOUT_S:g}", *sbatch]
+            bounded = ["timeout", "--kill-after=5", f"{SBATCH_TIMEOUT_S:g}", *sbatch]
+            return [*outside_job(), *bounded]
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             # The element's Python is the batch shell itself, so that the requeue warning
@@ -672,24 +674,18 @@ _JOB_VARIABLES = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_")
 _CLUSTER_VARIABLES = frozenset({"SLURM_CONF", "SLURM_CLUSTERS"})
 
 
-@contextlib.contextmanager
-def outside_job() -> Iterator[None]:
-    """Inside a Slurm job, this process's environment without the job's variables while jobs
-    are queued (what sbatch hands to them); as it was again after."""
+def outside_job() -> list[str]:
+    """Inside a Slurm job, `env -u NAME...` for the job's variables: the prefix of an sbatch
+    command line that hands the job it queues none of them (this process's environment, which
+    a trainer's other threads read, is left as it is); outside one, nothing."""
     if "SLURM_JOB_ID" not in os.environ:
-        yield
-        return
-    hidden = {
-        name: value
-        for name, value in os.environ.items()
+        return []
+    names = sorted(
+        name
+        for name in os.environ
         if name.startswith(_JOB_VARIABLES) and name not in _CLUSTER_VARIABLES
-    }
-    for name in hidden:
-        del os.environ[name]
-    try:
-        yield
-    finally:
-        os.environ.update(hidden)
+    )
+    return ["env", *(word for name in names for word in ("-u", name))]
 
 
 def submit_array(
@@ -701,15 +697,12 @@ def submit_array(
 ) -> list[submitit.Job[Any]]:
     """Queue `function` over `arguments` as one array job; a refusal by sbatch (or an sbatch
     that does not answer) is a `SlurmError` naming `what`."""
-    import submitit
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     # submitit prints a refusing sbatch's stderr as it raises it: the error carries it already.
     printed = io.StringIO()
-    # Local jobs are this process's own: inside an allocation, they run in it.
-    hiding = contextlib.nullcontext() if isinstance(pool, submitit.LocalExecutor) else outside_job()
     try:
-        with contextlib.redirect_stderr(printed), hiding:
+        with contextlib.redirect_stderr(printed):
             jobs = pool.map_array(function, *arguments)
         sys.stderr.write(printed.getvalue())
         return jobs
@@ -796,8 +789,7 @@ def submit_script(script: Path, *, what: str, hint: str) -> str:
     """Queue `script` (its `#SBATCH` lines say what it needs) and return its job id; a refusal
     by sbatch, or an sbatch that does not answer, is a `SlurmError` naming `what`."""
     require_sbatch(what, hint="run on a Slurm login node (`module load slurm`?)")
-    with outside_job():
-        ran = run(["sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
+    ran = run([*outside_job(), "sbatch", "--parsable", str(script)], timeout=SBATCH_TIMEOUT_S)
     if not ran.ok:
         # An error: sbatch did not run to its end (it did not answer, or we were stopped).
         raise _refused(what, ran.why(), hint, answered=not ran.error)

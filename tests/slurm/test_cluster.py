@@ -3,6 +3,7 @@ when the commands (tests/support/fake_slurm/) fail, hang or are missing."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -283,3 +284,22 @@ def test_the_room_under_the_users_limit_on_queued_jobs_is_read_from_assoc_mgr() 
     # A cluster without accounting keeps no associations: no limit known.
     none = "Current Association Manager state\n\nNo associations currently cached in Slurm.\n"
     assert cluster.parse_submit_room(none, "hpcuser") is None
+
+
+def test_a_job_queued_from_inside_a_job_gets_none_of_its_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [n for n in os.environ if n.startswith(("SLURM_", "SUBMITIT_"))]:
+        monkeypatch.delenv(name)
+    assert cluster.outside_job() == []  # a login node: sbatch as the user set it up
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm-limits/slurm.conf")  # the cluster: kept
+    monkeypatch.setenv("SBATCH_ACCOUNT", "lab")  # the user's own setting: kept
+    hidden = cluster.outside_job()
+    assert hidden[0] == "env" and sorted(hidden[2::2]) == [
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_JOB_ID",
+        "SUBMITIT_EXECUTOR",
+    ]
