@@ -86,12 +86,23 @@ def test_status_says_what_waits_and_queues_it_as_room_frees(
     tasks = _tasks(tmp_path / "tasks", 40, debian_sif)
     run_dir = tmp_path / "run"
     argv = ["submit", str(tasks), "--agent", "oracle", "--run-dir", str(run_dir)]
-    cli(*argv, "--executor", "slurm", "--tasks-per-job", "1")
-    waiting = [s for s in cli_json("status", str(run_dir)) if s["state"] == "pending"]
+    # All places but one taken by held jobs of the user's: one element of the run goes out,
+    # and it holds the one place until it has left the queue (an element frees none for its
+    # own end to fill): the rest waits when status looks, however fast that element ran.
+    held = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "-o", "/dev/null", "--array=0-18", "--wrap", "true"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        cli(*argv, "--executor", "slurm", "--tasks-per-job", "1")
+        waiting = [s for s in cli_json("status", str(run_dir)) if s["state"] == "pending"]
+    finally:
+        cluster.cancel(held.stdout.strip().split(";")[0])
     said = {s["message"] for s in waiting if (s["message"] or "").startswith("not queued yet")}
     assert len(said) == 1 and "MaxSubmitJobs" in said.pop()
-    # 20 of 40 queued, at most 8 run at once on the node: 12 or more still wait. Each look at
-    # the run queues what now fits (and so does each element as it ends).
+    assert len([s for s in waiting if (s["message"] or "").startswith("not queued")]) >= 38
+    # The held jobs gone, each look at the run queues what now fits (and so does each element
+    # as it ends).
     deadline = time.monotonic() + 600
     while True:
         statuses = cli_json("status", str(run_dir))
