@@ -8,8 +8,9 @@ requeued element picks up where the killed one stopped and never runs a finished
 A trial that was cut off midway is started again under a new trial name.
 
 An element whose trials ended then does what its submitter handed it (`then`: submit queues the
-elements that wait under the user's limit on queued jobs, launch.py), so that a run queued in
-waves goes on with nobody looking at it; what fails there is logged, never the element's.
+elements that wait under the user's limit on queued jobs, steps/submit/waves.py), so that a run
+queued in waves goes on with nobody looking at it; what fails there is logged, never the
+element's.
 
 A run's submissions cancelled from Python (`cancel_submissions`: a trainer's batch deadline)
 are seen within CANCEL_POLL_S: the worker cancels its trials (Harbor stops each environment and
