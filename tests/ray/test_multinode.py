@@ -95,8 +95,9 @@ def test_ray_nodes_advertise_slurms_addresses_and_host_an_environment_each(
         assert alive() == NODES
     finally:
         cli("ray", "down", "--cluster-dir", str(cluster_dir), env=multinode.env, check=False)
-    # Every node's Ray files were in a folder of its own on its own /tmp, gone with the job.
-    deadline = time.monotonic() + 30
+    # Every node's Ray files were in a folder of its own on its own /tmp, gone with the job
+    # (within KillWait, 30 s, of `ray down`).
+    deadline = time.monotonic() + 60
     while any(
         (left := {n: ray_dirs(t) - before[n] for n, t in multinode.node_tmp.items()}).values()
     ):
