@@ -135,19 +135,22 @@ def _ray_start(temp_dir: Path, *options: str) -> list[str]:
     ]
 
 
-class _NoAddress(Exception):
+class NoAddress(Exception):
     """The head's `ray start` ended before it wrote the cluster's address."""
 
 
-def _wait_for(path: Path, ray: subprocess.Popen[bytes] | None) -> str:
-    """The content of `path` once it exists; `_NoAddress` when `ray` ends before it does."""
-    while not path.exists():
+def wait_for_address(path: Path, ray: subprocess.Popen[bytes] | None) -> str:
+    """The content of `path` once it has some; `NoAddress` when `ray` ends before. Ray
+    creates its address file, then writes it (not atomically): a file seen in between is empty."""
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            if said := path.read_text().strip():
+                return said
         if ray is not None and ray.poll() is not None:
-            raise _NoAddress(
+            raise NoAddress(
                 f"ray start ended with exit code {ray.returncode} before it had an address"
             )
         time.sleep(POLL_S)
-    return path.read_text().strip()
 
 
 # Set once Slurm told the node to end (scancel, the time limit): KillWait seconds are left.
@@ -277,17 +280,17 @@ def _start_head(
     """Start the head's Ray: its process, the cluster's address and the attempts it took. As a
     worker's, one whose `ray start` ended without an address within STARTUP_S (on a loaded node
     Ray's own start-up wait runs out: "The current node timed out during startup") starts again,
-    up to START_ATTEMPTS times; after the last, `_NoAddress` with Ray's last words."""
+    up to START_ATTEMPTS times; after the last, `NoAddress` with Ray's last words."""
     attempt = 1
     while True:
         ray = _RayStart(command, env)
         try:
-            return ray, _wait_for(ray_dir / "ray_current_cluster", ray.process), attempt
-        except _NoAddress as exc:
+            return ray, wait_for_address(ray_dir / "ray_current_cluster", ray.process), attempt
+        except NoAddress as exc:
             code = ray.wait()  # it ended: its last words are read
             if attempt == START_ATTEMPTS or time.monotonic() - ray.began >= STARTUP_S:
                 said = ray.said or "no message; see the job log"
-                raise _NoAddress(f"{exc} ({attempt} attempt(s)): {said}") from None
+                raise NoAddress(f"{exc} ({attempt} attempt(s)): {said}") from None
         attempt += 1
         print(
             f"harbor-hpc: the head's ray start failed (exit code {code}: "
@@ -359,7 +362,7 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
             atomic_write_text(address_file(cluster_dir, job_id), address + "\n")
             code = ray.wait()
         else:
-            address = join or _wait_for(address_file(cluster_dir, job_id), None)
+            address = join or wait_for_address(address_file(cluster_dir, job_id), None)
             command = _ray_start(ray_dir, f"--address={address}", *own)
             ray, code, attempts = _keep_joined(command, env, node, job_id)
         took = time.monotonic() - ray.began
@@ -370,7 +373,7 @@ def main(cluster_dir: Path, join: str | None, labels: str | None) -> int:
                 f"({attempts} attempt(s)): {ray.said or 'no message; see the job log'}\n",
             )
         return code
-    except _NoAddress as exc:  # the head's ray start never had an address, however often tried
+    except NoAddress as exc:  # the head's ray start never had an address, however often tried
         atomic_write_text(failure_file(cluster_dir, job_id, f"{node}-0"), f"node {node}: {exc}\n")
         no_head = True
         return 1

@@ -1,11 +1,22 @@
 """What a Ray node of `ray up` reads of `ray start`'s output when Ray would not start there
-(recorded lines of Ray 2.52), and how `ray up` gets to name the node."""
+(recorded lines of Ray 2.52), how `ray up` gets to name the node, and how a node reads the
+cluster's address."""
 
 from __future__ import annotations
 
+import subprocess
+import threading
 from pathlib import Path
 
-from harbor_hpc.ray.node import failure_file, failure_rank, failures
+import pytest
+
+from harbor_hpc.ray.node import (
+    NoAddress,
+    failure_file,
+    failure_rank,
+    failures,
+    wait_for_address,
+)
 
 PANIC = (
     "2026-11-26 18:14:51,304\tPANIC scripts.py:886 -- `--labels=a!b=c` is not a valid string "
@@ -33,3 +44,25 @@ def test_up_reads_what_each_node_of_its_job_said(tmp_path: Path) -> None:
         "node n1: ray start ended ...",
         "node n2: ray start ended ...",
     ]
+
+
+def test_an_address_file_seen_before_ray_wrote_it_is_waited_for(tmp_path: Path) -> None:
+    # Ray opens its address file, then writes it: a node that read it in between joined the
+    # address "" (a CI run: `ValueError: Invalid address format:`).
+    path = tmp_path / "ray_current_cluster"
+    path.touch()
+    writer = threading.Timer(1.0, path.write_text, args=("10.0.0.1:6379",))
+    writer.start()
+    try:
+        assert wait_for_address(path, None) == "10.0.0.1:6379"
+    finally:
+        writer.join()
+
+
+def test_a_ray_that_ended_without_an_address_is_said(tmp_path: Path) -> None:
+    ended = subprocess.Popen(["sh", "-c", "exit 3"])
+    ended.wait()
+    (tmp_path / "empty").touch()
+    for path in (tmp_path / "empty", tmp_path / "absent"):
+        with pytest.raises(NoAddress, match="exit code 3 before it had an address"):
+            wait_for_address(path, ended)
