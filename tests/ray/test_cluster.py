@@ -216,6 +216,9 @@ def test_the_owner_runs_tasks_on_each_node_with_the_token_file(
         "RAY_ADDRESS": cluster["address"],
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": cluster["token_file"],
+        # Below `uv run` (pytest is), Ray would start the workers through `uv run` in a copy
+        # of this checkout, building it from the package index (docs/ray.md): not what is tested.
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
     }
     ran = subprocess.run(
         [sys.executable, "-c", ON_EACH_NODE], env=env, capture_output=True, text=True, timeout=120
