@@ -203,6 +203,20 @@ stop_pid() {
 }
 # clear_stale_pidfile PIDFILE NAME: remove a pid file whose NAME is gone. dockerd refuses to start
 # beside one, and slurmctld and slurmd kill the pid they find there, whoever has it now.
+# cancel_left_jobs SLURM_CONF: cancel the jobs of the test users that an earlier run (a CI run
+# cut short, on a machine used again) left on that cluster, and print how many. Their checkout
+# may be gone: requeued when a slurmd restarts, such a job fails to start and drains its node.
+cancel_left_jobs() {
+  local conf=$1 user ids n=0
+  for user in "$TEST_USER" "$OTHER_USER" "$NOSUB_USER"; do
+    id -u "$user" >/dev/null 2>&1 || continue
+    ids=$(SLURM_CONF=$conf timeout 10 squeue -h -u "$user" -o %i 2>/dev/null || true)
+    [ -n "$ids" ] || continue
+    SLURM_CONF=$conf timeout 10 scancel -u "$user" || true
+    n=$((n + $(wc -l <<<"$ids")))
+  done
+  echo "$n"
+}
 clear_stale_pidfile() {
   if [ -e "$1" ] && ! pid_alive "$1" "$2"; then
     rm -f "$1"
@@ -440,9 +454,11 @@ part_slurm() {
     slurmd 9>&-
     notes+=("slurmd started")
   fi
+  local i state reason resumed="" left
+  left=$(cancel_left_jobs /etc/slurm/slurm.conf)
+  [ "$left" = 0 ] || notes+=("cancelled $left job(s) an earlier run left")
   # Wait for the node; resume it when it is DOWN or DRAINED (a test cluster has no admin who
   # drained it on purpose).
-  local i state reason resumed=""
   for ((i = 0; i < 120; i++)); do
     state=$(slurm_node_state)
     # slurmd gone (it exits when it cannot register): start it again, now and then.
@@ -684,7 +700,7 @@ NODE_TOOL=/usr/local/sbin/harbor-hpc-ci-node
 NONETNS=/usr/local/sbin/harbor-hpc-ci-nonetns
 
 part_multinode() {
-  local notes=() i node tmp cpus mem_mb real_mem changed=0
+  local notes=() i node tmp cpus mem_mb real_mem changed=0 left
   watch_log /var/log/slurm/slurmctld-multi.log
   if ! ip link show "$MULTI_BRIDGE" >/dev/null 2>&1; then
     ip link add "$MULTI_BRIDGE" type bridge
@@ -746,6 +762,8 @@ part_multinode() {
     wait_for 30 "the multi-node slurmctld (scontrol ping)" multi_ctld_up
     notes+=("slurmctld started")
   fi
+  left=$(cancel_left_jobs "$MULTI_CONF")
+  [ "$left" = 0 ] || notes+=("cancelled $left job(s) an earlier run left")
   for node in "${MULTI_NODES[@]}"; do
     # A fault test that ended early may have left its node cut off or crashed.
     "$NODE_TOOL" heal "$node"
@@ -901,7 +919,7 @@ limits_ctld_up() { limits scontrol ping 2>/dev/null | grep -q 'is UP'; }
 limits_usable() { case "$(limits sinfo -h -N -o '%t' 2>/dev/null)" in idle | mix | alloc) return 0 ;; esac; return 1; }
 
 part_limits() {
-  local notes=() tmp cpus mem_mb real_mem changed=0 user i
+  local notes=() tmp cpus mem_mb real_mem changed=0 user i left
   watch_log /var/log/slurm/slurmdbd.log /var/log/slurm/slurmctld-limits.log /var/log/slurm/slurmd-limits.log
   if mariadb_up >/dev/null 2>&1; then
     notes+=("mariadb reused")
@@ -982,6 +1000,8 @@ DBD
     wait_for 30 "the limits cluster's slurmctld (scontrol ping)" limits_ctld_up
     notes+=("slurmctld started")
   fi
+  left=$(cancel_left_jobs "$LIMITS_CONF")
+  [ "$left" = 0 ] || notes+=("cancelled $left job(s) an earlier run left")
   if ! pid_alive /run/slurmd-limits.pid slurmd; then
     clear_stale_pidfile /run/slurmd-limits.pid slurmd
     slurmd -f "$LIMITS_CONF" -N lim1 9>&-
