@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from harbor_hpc.api import (
 )
 from harbor_hpc.steps.rollouts import Backend, in_python_words
 from harbor_hpc.steps.submit.options import configured_options
+from harbor_hpc.steps.submit.waves import exported
 from tests.support.sample_tasks import make_task
 from tests.support.scripted_llm import ScriptedLLM
 
@@ -227,3 +230,33 @@ def test_a_list_field_given_a_string_is_refused_when_the_request_is_made(tmp_pat
         assert str(raised.value) == f"{name} must be a list of strings, not the string 'x y'"
         assert raised.value.hint == f"{name}=['x y']"
     assert not (tmp_path / "run").exists()
+
+
+def test_batches_queued_at_once_from_threads_each_hand_on_the_agents_variables() -> None:
+    # A trainer runs two batches at once, a thread each, with the same --agent-env: the one
+    # that ended queueing took the key away from under the other's sbatch (whose agents then
+    # ran without it), unless they queue one after the other.
+    name = "HARBOR_HPC_TEST_AGENT_KEY"
+    first_in, first_out = threading.Event(), threading.Event()
+    seen: list[str | None] = []
+
+    def first() -> None:
+        with exported({name: "k"}):
+            first_in.set()
+            first_out.wait(10)
+
+    def second() -> None:
+        first_in.wait(10)
+        with exported({name: "k"}):
+            first_out.wait(10)
+            seen.append(os.environ.get(name))  # what this batch's jobs would get
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    first_in.wait(10)
+    threading.Timer(0.5, first_out.set).start()  # the first batch ends its queueing
+    for thread in threads:
+        thread.join(15)
+    assert seen == ["k"]
+    assert name not in os.environ

@@ -14,6 +14,7 @@ import contextlib
 import getpass
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -26,21 +27,28 @@ from harbor_hpc.slurm.resources import Resources
 from harbor_hpc.slurm.worker import ChunkWorker
 from harbor_hpc.steps.submit.options import recorded_placement
 
+# Held while `exported` values are in this process's environment: one queueing at a time.
+_exporting = threading.Lock()
+
 
 @contextlib.contextmanager
-def _exported(values: Mapping[str, str]) -> Iterator[None]:
+def exported(values: Mapping[str, str]) -> Iterator[None]:
     """`values` (`--agent-env NAME=VALUE`) in this process's environment while jobs are
-    queued, which sbatch hands to the jobs and local jobs inherit; gone again after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+    queued, which sbatch hands to the jobs and local jobs inherit; gone again after. (Never
+    on a command line, which any user of the machine reads.) Batches a trainer runs at once,
+    each from a thread, queue one after the other: one that ended would take the values away
+    from under the other's sbatch, whose jobs would run the agent without them."""
+    with _exporting:
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, old in saved.items():
+                if old is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = old
 
 
 # The `--agent-env` values given to this process's submits, by run folder: elements that wait
@@ -78,7 +86,7 @@ def queue_chunks(run_dir: Path, number: int, env: Mapping[str, str] | None = Non
             by_resources.setdefault(json.dumps(chunk.resources, sort_keys=True), []).append(index)
     queued = 0
     waiting: str | None = None
-    with _exported(env or {}):
+    with exported(env or {}):
         for resources, indices in by_resources.items():
             request = _request(run_dir, record, Resources.of_json(json.loads(resources)))
             pool = cluster.executor(RunPaths(run_dir).submitit / "%j", executor, request)
