@@ -134,7 +134,9 @@ def test_ctrl_c_stops_the_waiting_in_one_line_and_the_local_trial_runs_on(
     """The terminal's Ctrl-C reaches its whole foreground process group: the local jobs'
     controllers printed KeyboardInterrupt tracebacks there and their trials broke. Now they
     ignore it, as Slurm's jobs never see it, and only the waiting stops."""
-    make_task(tmp_path / "tasks", "pausing", kind="pausing", image=str(debian_sif))
+    # A trial of 25 s: the waiting is interrupted while it runs, however late this test (on a
+    # loaded machine) sees it started (with 8 s, a CI run saw the trial end first).
+    make_task(tmp_path / "tasks", "lingering", kind="lingering", image=str(debian_sif))
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "harbor_hpc", "submit", str(tmp_path / "tasks"),
                "--agent", "oracle", "--run-dir", str(run_dir), "--executor", "local",
@@ -146,6 +148,7 @@ def test_ctrl_c_stops_the_waiting_in_one_line_and_the_local_trial_runs_on(
         deadline = time.monotonic() + 120
         while not list((run_dir / "markers").glob("*.json")) and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert waiting.poll() is None, "the waiting ended before its trial had started"
         os.killpg(waiting.pid, signal.SIGINT)  # as the terminal sends Ctrl-C
         out, err = waiting.communicate(timeout=60)
     finally:
