@@ -553,12 +553,15 @@ def recorder(tmp_path: Path) -> Recorder:
 
 @pytest.fixture
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSlurm:
-    """sbatch, squeue, sinfo and scontrol first on PATH, for this process and the CLI it runs:
-    each prints nothing and succeeds until `answer` says otherwise."""
+    """sbatch, squeue, sinfo, scontrol and scancel first on PATH, for this process and the CLI
+    it runs: each prints nothing and succeeds until `answer` says otherwise."""
     fake = FakeSlurm(tmp_path / "fake-slurm")
     fake.state.mkdir()
     monkeypatch.setenv("PATH", f"{FAKE_SLURM_BIN}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SLURM", str(fake.state))
+    # A cluster of its own for each test: what is asked once per process and cluster (the
+    # array size, the cluster's name) is asked of this one, not read from an earlier test's.
+    monkeypatch.setenv("SLURM_CONF", str(fake.state / "slurm.conf"))
     return fake
 
 

@@ -1,9 +1,10 @@
 """Slurm commands that answer what a test says, for testing Slurm logic without Slurm.
 
-`tests/support/fake_slurm/` holds one script linked as sbatch, squeue, sinfo and scontrol; the
-`fake_slurm` fixture (tests/conftest.py) puts that folder first on PATH and points the script at
-a folder of answers that `FakeSlurm.answer` writes. Outputs worth keeping verbatim, recorded
-from the CI's real Slurm 22.05, are in `recorded/`.
+`tests/support/fake_slurm/` holds one script linked as sbatch, squeue, sinfo, scontrol and
+scancel; the `fake_slurm` fixture (tests/conftest.py) puts that folder first on PATH, points the
+script at a folder of answers that `FakeSlurm.answer` writes and SLURM_CONF at a cluster of the
+test's own. Outputs worth keeping verbatim, recorded from the CI's real Slurm 22.05, are in
+`recorded/`.
 """
 
 from __future__ import annotations
