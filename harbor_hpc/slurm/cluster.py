@@ -73,6 +73,11 @@ class SlurmError(HarborHpcError):
     """A Slurm command that is missing, failed or did not answer in time."""
 
 
+class SlurmUnreachable(SlurmError):
+    """Slurm's controller did not answer (a command timed out, or said it could not reach it):
+    the same call a little later may well be answered."""
+
+
 class SubmitLimitReached(SlurmError):
     """sbatch refused a job for the user's limit on queued jobs (MaxSubmitJobs and kin): the
     job fits once some of the user's jobs have left the queue."""
@@ -117,7 +122,8 @@ def _query(command: list[str], *, timeout: float, hint: str, cleanup: bool = Fal
 
 
 def _failed(ran: Ran, hint: str) -> SlurmError:
-    return SlurmError(f"`{' '.join(ran.command)}` failed: {ran.why()}", hint=hint)
+    kind = SlurmUnreachable if _unanswered(ran.error or ran.stderr) else SlurmError
+    return kind(f"`{' '.join(ran.command)}` failed: {ran.why()}", hint=hint)
 
 
 # --- squeue: which jobs still live ------------------------------------------------------------
@@ -722,16 +728,22 @@ def submit_array(
 _SUBMIT_LIMIT_WORDS = re.compile(r"MaxSubmitJob|GrpSubmitJob|job submit limit")
 
 
-# sbatch's words when the controller could not take the job (the cluster's fault: try again)
-# rather than refused it (a partition, account, QOS, time or size the cluster does not take).
-_UNREACHABLE = ("unable to contact", "timed out", "temporarily unable")
+# Slurm's words when the controller could not take a call (the cluster's fault: try again)
+# rather than refused it (a partition, account, QOS, time or size the cluster does not take);
+# `run`'s own when the command did not answer in time.
+_UNREACHABLE = ("unable to contact", "timed out", "temporarily unable", "did not answer")
+
+
+def _unanswered(said: str) -> bool:
+    return any(words in said.lower() for words in _UNREACHABLE)
 
 
 def _refused(what: str, said: str, hint: str, *, answered: bool = True) -> SlurmError:
     """sbatch's refusal of `what`: bad input (exit 2, the request must change) when sbatch
-    `answered` so itself, unless it says the controller could not be reached (exit 1)."""
-    unreachable = not answered or any(words in said.lower() for words in _UNREACHABLE)
-    return SlurmError(f"Slurm refused {what}: {said}", hint=hint, exit_code=1 if unreachable else 2)
+    `answered` so itself; `SlurmUnreachable` (exit 1) when the controller could not be reached."""
+    if not answered or _unanswered(said):
+        return SlurmUnreachable(f"Slurm refused {what}: {said}", hint=hint, exit_code=1)
+    return SlurmError(f"Slurm refused {what}: {said}", hint=hint, exit_code=2)
 
 
 # --- waiting for an array's results ---------------------------------------------------------

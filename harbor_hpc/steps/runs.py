@@ -6,6 +6,7 @@ still alive, which the executor's side (`harbor_hpc.slurm.runs.live_jobs`) gives
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.results.export import Export, ExportFormat, export_run
 from harbor_hpc.results.outcomes import RunTrials
-from harbor_hpc.results.record import Unit, cancel_submissions, load_run
+from harbor_hpc.results.record import RunRecord, Unit, cancel_submissions, load_run
 from harbor_hpc.results.status import RunStatus, attempt_statuses
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import Executor
@@ -26,13 +27,21 @@ from harbor_hpc.steps.submit.waves import note_followed, queue_waiting
 # node shares) only every SQUEUE_EVERY_S: a trial's end shows first in its result.json.
 FOLLOW_EVERY_S = 2.0
 SQUEUE_EVERY_S = 15.0
+# How long following a run goes on while Slurm's controller does not answer: busy
+# controllers stall for a minute and more, and the jobs run on meanwhile.
+SILENT_S = 600.0
+
+log = logging.getLogger(__name__)
 
 
 def run_status(run_dir: Path) -> RunStatus:
     """Every task attempt of the run in `run_dir`: pending, running, done or failed (why).
     Elements that wait for room under the user's limit on queued jobs are queued first, as
     far as the limit now allows."""
-    queue_waiting(run_dir)
+    try:
+        queue_waiting(run_dir)
+    except cluster.SlurmUnreachable as exc:
+        log.warning("%s; the waiting elements stay waiting", exc.message)
     record = load_run(run_dir)
     return RunStatus.of(attempt_statuses(run_dir, record, live_jobs(record)))
 
@@ -56,6 +65,38 @@ def export(
     return export_run(run_dir, out, statuses, fmt=fmt, dry_run=dry_run, trials=trials)
 
 
+class _Squeue:
+    """squeue's last answer on a run's jobs, which stands while Slurm's controller does not
+    answer (for up to SILENT_S), with the jobs queued since taken as alive: a followed run, a
+    trainer's batch, is not given up for a stall of the controller, and no attempt is taken
+    for failed because squeue could not say it lives."""
+
+    def __init__(self) -> None:
+        self.alive: dict[str, str | None] = {}
+        self.known: set[str] = set()  # the jobs recorded when squeue last answered
+        self.silent_since: float | None = None
+
+    def ask(self, record: RunRecord) -> dict[str, str | None]:
+        jobs = {c.job for sub in record.submissions for c in sub.chunks if c.job is not None}
+        asked = time.monotonic()
+        try:
+            self.alive = live_jobs(record)
+        except cluster.SlurmUnreachable as exc:
+            if self.silent_since is None:
+                self.silent_since = asked
+                log.warning("%s; going on with its last answer and asking again", exc.message)
+            elif time.monotonic() - self.silent_since > SILENT_S:
+                raise
+            self.alive = {**self.alive, **dict.fromkeys(jobs - self.known)}
+        else:
+            if self.silent_since is not None:
+                silent = time.monotonic() - self.silent_since
+                log.warning("Slurm's controller answers again (after %.0f s)", silent)
+            self.silent_since = None
+        self.known = jobs
+        return self.alive
+
+
 def follow(
     run_dir: Path, *, every_s: float = FOLLOW_EVERY_S, squeue_every_s: float = SQUEUE_EVERY_S
 ) -> Iterator[RunStatus]:
@@ -68,11 +109,15 @@ def follow(
     again after `squeue_every_s` once elements were queued. While elements wait for room
     under the user's limit on queued jobs, the room is asked of Slurm every `squeue_every_s`
     (one RPC), and what fits is queued (the run's elements, told so, leave that to this loop).
+    While Slurm's controller does not answer, its last answer stands (`_Squeue`), asked again
+    every `squeue_every_s`; waves wait for it to answer.
     """
     record = load_run(run_dir)
     if any(sub.waits for sub in record.submissions):
         note_followed(run_dir)
-    alive = live_jobs(record)
+    squeue = _Squeue()
+    alive = squeue.ask(record)
+    told = False  # that queueing waits for the controller
     asked = waves = time.monotonic()
     gap = squeue_every_s  # doubled after each answer
     while True:
@@ -80,13 +125,20 @@ def follow(
         if any(sub.waits for sub in record.submissions) and now - waves >= squeue_every_s:
             waves = now
             note_followed(run_dir)  # the elements leave the waves to this loop
-            if queue_waiting(run_dir):
-                # squeue now (the new jobs must count as alive), then again soon.
-                record = load_run(run_dir)
+            try:
+                queued, told = queue_waiting(run_dir), False
+            except cluster.SlurmUnreachable as exc:
+                if not told:  # once while it lasts
+                    log.warning("%s; the waiting elements are queued once it answers", exc.message)
+                queued, told = 0, True
+            # What was queued is recorded, even when sbatch then did not answer.
+            record = load_run(run_dir)
+            if queued:  # squeue now (the new jobs must count as alive), then again soon
                 asked, gap = -math.inf, squeue_every_s / 2
         if now - asked >= gap:
-            alive, asked = live_jobs(record), now
-            gap = min(gap * 2, squeue_every_s * 4)
+            alive, asked = squeue.ask(record), now
+            silent = squeue.silent_since is not None
+            gap = squeue_every_s if silent else min(gap * 2, squeue_every_s * 4)
         refuse_never_starting(alive)
         status = RunStatus.of(attempt_statuses(run_dir, record, alive))
         yield status

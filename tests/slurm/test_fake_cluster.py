@@ -146,6 +146,7 @@ def test_a_cancelled_run_queues_nothing_that_waited(fake_slurm: FakeSlurm, tmp_p
     fake_slurm.answer("squeue", "4242\n")
     cancelled = cli("cancel", str(run_dir))  # as a trainer's deadline does (cancel_run)
     assert f"cancelled {run_dir}" in cancelled.stderr
+    assert fake_slurm.calls("scancel") == [["4242"]]  # the fake cluster's, not a real job 4242
     assert by_task(run_dir)["small"] == ("failed", "infrastructure")
     small = next(s for s in run_status(run_dir).attempts if s.task == "small")
     assert small.message == "not started: a cancel of the run came before it was queued"
@@ -189,6 +190,37 @@ def test_status_follows_the_jobs_squeue_knows(
         "b": ("pending", None),
         "c": ("pending", None),
     }
+
+
+# What Slurm 22.05's squeue says when the controller is too busy to answer in time.
+SQUEUE_TIMED_OUT = "slurm_load_jobs error: Socket timed out on send/recv operation\n"
+
+
+def test_following_a_run_outlasts_a_controller_that_does_not_answer(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A trainer's batch (or --wait) follows its run while slurmctld stalls: its jobs run on,
+    # and no attempt may be taken for failed (or the batch given up) because squeue could not
+    # say that they live.
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer("sinfo", "2 4000\n")
+    run_dir = tmp_path / "run"
+    submit_run(tasks, run_dir, options(concurrency=2))
+    fake_slurm.answer("squeue", stderr=SQUEUE_TIMED_OUT, returncode=1)  # from the first call
+    statuses = follow(run_dir, every_s=0.1, squeue_every_s=0.2)
+    for _ in range(5):
+        assert {s.state for s in next(statuses).attempts} == {"pending"}
+    assert "Socket timed out" in caplog.text and "going on with its last answer" in caplog.text
+    fake_slurm.answer("squeue", "4242_[1-2]\n")  # it answers: a's element has ended
+    deadline = time.monotonic() + 10
+    while (status := next(statuses)).attempts[0].state == "pending":
+        assert time.monotonic() < deadline
+    assert [(s.task, s.state) for s in status.attempts] == [
+        ("a", "failed"),
+        ("b", "pending"),
+        ("c", "pending"),
+    ]
+    assert "Slurm's controller answers again" in caplog.text
 
 
 @pytest.mark.parametrize(("time_min", "warning_s"), [(1, 15), (4, 60), (60, 90)])
