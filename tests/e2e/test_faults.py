@@ -134,15 +134,21 @@ def test_ctrl_c_stops_the_waiting_in_one_line_and_the_local_trial_runs_on(
     """The terminal's Ctrl-C reaches its whole foreground process group: the local jobs'
     controllers printed KeyboardInterrupt tracebacks there and their trials broke. Now they
     ignore it, as Slurm's jobs never see it, and only the waiting stops."""
-    # A trial of 25 s: the waiting is interrupted while it runs, however late this test (on a
-    # loaded machine) sees it started (with 8 s, a CI run saw the trial end first).
-    make_task(tmp_path / "tasks", "lingering", kind="lingering", image=str(debian_sif))
+    make_task(tmp_path / "tasks", "pausing", kind="pausing", image=str(debian_sif))
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "harbor_hpc", "submit", str(tmp_path / "tasks"),
                "--agent", "oracle", "--run-dir", str(run_dir), "--executor", "local",
                "--wait"]  # fmt: skip
+    # Started as a terminal's shell starts a command, Ctrl-C at its default: started from a
+    # background job (a CI run's `bash .ci/run &`), it would inherit SIGINT ignored, and Python
+    # then never raises KeyboardInterrupt.
     waiting = subprocess.Popen(
-        command, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
