@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ from harbor_hpc.core.templates import render_template
 
 if TYPE_CHECKING:  # submitit loads when a job is queued or awaited: `status` needs squeue only
     import submitit
+
+log = logging.getLogger(__name__)
 
 # squeue, sinfo and scontrol answer from the controller's memory: seconds even when it is busy.
 QUERY_TIMEOUT_S = QUICK_TIMEOUT_S
@@ -76,6 +79,35 @@ class SlurmError(HarborHpcError):
 class SlurmUnreachable(SlurmError):
     """Slurm's controller did not answer (a command timed out, or said it could not reach it):
     the same call a little later may well be answered."""
+
+
+# How long following jobs goes on while Slurm's controller does not answer: busy controllers
+# stall for a minute and more, and the jobs run on meanwhile.
+SILENT_S = 600.0
+
+
+class Silence:
+    """How long Slurm's controller has left a caller that follows jobs (`--wait`, a trainer's
+    batch, a conversion) unanswered: said when it begins and when it ends; the caller goes on
+    with what it knew, until SILENT_S."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def unanswered(self, exc: SlurmUnreachable, asked: float, meanwhile: str) -> None:
+        """Note `exc`, raised by a call begun at `asked` (monotonic); `meanwhile` says what the
+        caller does. Raises `exc` once the controller has been silent for SILENT_S."""
+        if self.since is None:
+            self.since = asked
+            log.warning("%s; %s", exc.message, meanwhile)
+        elif time.monotonic() - self.since > SILENT_S:
+            raise exc
+
+    def answered(self) -> None:
+        if self.since is not None:
+            silent = time.monotonic() - self.since
+            log.warning("Slurm's controller answers again (after %.0f s)", silent)
+        self.since = None
 
 
 class SubmitLimitReached(SlurmError):
@@ -762,17 +794,25 @@ def await_array(
     """Each of `jobs` with its outcome as it finishes: the dict its function returned, else
     `{"error", "hint"}` when it failed or left the queue without a result (`retry` says how to
     try again). Result files are read every POLL_S; whether a job without one is still alive
-    is asked of `squeue` (not `sacct`, which clusters often lack) every SQUEUE_EVERY_S."""
+    is asked of `squeue` (not `sacct`, which clusters often lack) every SQUEUE_EVERY_S, none
+    taken for gone while the controller does not answer (`Silence`)."""
     pending = list(jobs)
     vanished: dict[str, float] = {}
     last_squeue = time.monotonic()
+    silence = Silence()
     while pending:
         for job in [j for j in pending if j.paths.result_pickle.exists()]:
             pending.remove(job)
             yield job, _outcome(job)
         if pending and time.monotonic() - last_squeue >= SQUEUE_EVERY_S:
             last_squeue = time.monotonic()
-            alive = queued_jobs([job.job_id for job in pending])
+            try:
+                alive = queued_jobs([job.job_id for job in pending])
+            except SlurmUnreachable as exc:  # none is taken for gone meanwhile
+                silence.unanswered(exc, last_squeue, "waiting for the jobs' results meanwhile")
+                vanished.clear()
+                continue
+            silence.answered()
             now = time.monotonic()
             for job in [j for j in pending if j.job_id not in alive]:
                 if now - vanished.setdefault(job.job_id, now) >= VANISHED_GRACE_S:

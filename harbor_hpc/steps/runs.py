@@ -27,10 +27,6 @@ from harbor_hpc.steps.submit.waves import note_followed, queue_waiting
 # node shares) only every SQUEUE_EVERY_S: a trial's end shows first in its result.json.
 FOLLOW_EVERY_S = 2.0
 SQUEUE_EVERY_S = 15.0
-# How long following a run goes on while Slurm's controller does not answer: busy
-# controllers stall for a minute and more, and the jobs run on meanwhile.
-SILENT_S = 600.0
-
 log = logging.getLogger(__name__)
 
 
@@ -67,14 +63,14 @@ def export(
 
 class _Squeue:
     """squeue's last answer on a run's jobs, which stands while Slurm's controller does not
-    answer (for up to SILENT_S), with the jobs queued since taken as alive: a followed run, a
+    answer (`cluster.Silence`), with the jobs queued since taken as alive: a followed run, a
     trainer's batch, is not given up for a stall of the controller, and no attempt is taken
     for failed because squeue could not say it lives."""
 
     def __init__(self) -> None:
         self.alive: dict[str, str | None] = {}
         self.known: set[str] = set()  # the jobs recorded when squeue last answered
-        self.silent_since: float | None = None
+        self.silence = cluster.Silence()
 
     def ask(self, record: RunRecord) -> dict[str, str | None]:
         jobs = {c.job for sub in record.submissions for c in sub.chunks if c.job is not None}
@@ -82,17 +78,10 @@ class _Squeue:
         try:
             self.alive = live_jobs(record)
         except cluster.SlurmUnreachable as exc:
-            if self.silent_since is None:
-                self.silent_since = asked
-                log.warning("%s; going on with its last answer and asking again", exc.message)
-            elif time.monotonic() - self.silent_since > SILENT_S:
-                raise
+            self.silence.unanswered(exc, asked, "going on with its last answer and asking again")
             self.alive = {**self.alive, **dict.fromkeys(jobs - self.known)}
         else:
-            if self.silent_since is not None:
-                silent = time.monotonic() - self.silent_since
-                log.warning("Slurm's controller answers again (after %.0f s)", silent)
-            self.silent_since = None
+            self.silence.answered()
         self.known = jobs
         return self.alive
 
@@ -137,7 +126,7 @@ def follow(
                 asked, gap = -math.inf, squeue_every_s / 2
         if now - asked >= gap:
             alive, asked = squeue.ask(record), now
-            silent = squeue.silent_since is not None
+            silent = squeue.silence.since is not None
             gap = squeue_every_s if silent else min(gap * 2, squeue_every_s * 4)
         refuse_never_starting(alive)
         status = RunStatus.of(attempt_statuses(run_dir, record, alive))
