@@ -158,7 +158,8 @@ def refuse_never_starting(alive: dict[str, str | None]) -> None:
 def cancel_run(run_dir: Path) -> None:
     """Stop what is left of the run: its workers end their trials within seconds (each ends
     `failed`/infrastructure, for `resubmit` to run again) and start no more, and its Slurm
-    elements that have not started leave the queue. Finished trials stay as they are."""
+    elements that have not started leave the queue (or, while Slurm's controller does not
+    answer, end at once when they start). Finished trials stay as they are."""
     through = cancel_submissions(run_dir)
     record = load_run(run_dir)
     started = {(m.submission, Unit(m.task, m.attempt)) for m in RunTrials(run_dir).markers}
@@ -170,4 +171,7 @@ def cancel_run(run_dir: Path) -> None:
         if chunk.job is not None and not any((sub.number, u) in started for u in chunk.units)
     ]
     if waiting:
-        cluster.cancel(*waiting)
+        try:
+            cluster.cancel(*waiting)
+        except cluster.SlurmUnreachable as exc:  # the cancel holds: they start to end
+            log.warning("%s; the run's queued elements end at once when they start", exc.message)

@@ -15,6 +15,7 @@ from harbor_hpc.results.record import (
     Chunk,
     RunPaths,
     Submission,
+    cancelled_through,
     load_run,
     update_run,
     write_marker,
@@ -192,8 +193,11 @@ def test_status_follows_the_jobs_squeue_knows(
     }
 
 
-# What Slurm 22.05's squeue says when the controller is too busy to answer in time.
+# What Slurm 22.05's squeue and scancel say when the controller is too busy to answer in time.
 SQUEUE_TIMED_OUT = "slurm_load_jobs error: Socket timed out on send/recv operation\n"
+SCANCEL_TIMED_OUT = (
+    "scancel: error: Kill job error on job id 4242_0: Socket timed out on send/recv operation\n"
+)
 
 
 def test_following_a_run_outlasts_a_controller_that_does_not_answer(
@@ -221,6 +225,24 @@ def test_following_a_run_outlasts_a_controller_that_does_not_answer(
         ("c", "pending"),
     ]
     assert "Slurm's controller answers again" in caplog.text
+
+
+def test_a_cancel_holds_while_the_controller_does_not_answer(
+    fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path
+) -> None:
+    # A trainer's deadline cancels its batch while slurmctld stalls: the batch must end with
+    # what it has, not with scancel's error; the queued elements see the cancel as they start.
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer("sinfo", "2 4000\n")
+    run_dir = tmp_path / "run"
+    submit_run(tasks, run_dir, options())
+    fake_slurm.answer("scancel", stderr=SCANCEL_TIMED_OUT, returncode=1)
+    cancelled = cli("cancel", str(run_dir))
+    assert (
+        "Socket timed out" in cancelled.stderr and "end at once when they start" in cancelled.stderr
+    )
+    assert fake_slurm.calls("scancel") == [["4242_0", "4242_1", "4242_2"]]
+    assert cancelled_through(run_dir) == 1  # what a worker reads before it runs anything
 
 
 @pytest.mark.parametrize(("time_min", "warning_s"), [(1, 15), (4, 60), (60, 90)])
