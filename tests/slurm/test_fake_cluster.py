@@ -52,6 +52,15 @@ def options(concurrency: int = 1) -> SubmitOptions:
     )
 
 
+def submitted_run(fake_slurm: FakeSlurm, tasks: Path, tmp_path: Path, concurrency: int = 1) -> Path:
+    """The run of `tasks` as submit leaves it on a cluster that queues it as array job 4242."""
+    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
+    fake_slurm.answer("sinfo", "2 4000\n")
+    run_dir = tmp_path / "run"
+    submit_run(tasks, run_dir, options(concurrency=concurrency))
+    return run_dir
+
+
 def by_task(run_dir: Path) -> dict[str, tuple[str, str | None]]:
     return {s.task: (s.state, s.failure) for s in run_status(run_dir).attempts}
 
@@ -206,10 +215,7 @@ def test_following_a_run_outlasts_a_controller_that_does_not_answer(
     # A trainer's batch (or --wait) follows its run while slurmctld stalls: its jobs run on,
     # and no attempt may be taken for failed (or the batch given up) because squeue could not
     # say that they live.
-    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
-    fake_slurm.answer("sinfo", "2 4000\n")
-    run_dir = tmp_path / "run"
-    submit_run(tasks, run_dir, options(concurrency=2))
+    run_dir = submitted_run(fake_slurm, tasks, tmp_path, concurrency=2)
     fake_slurm.answer("squeue", stderr=SQUEUE_TIMED_OUT, returncode=1)  # from the first call
     statuses = follow(run_dir, every_s=0.1, squeue_every_s=0.2)
     for _ in range(5):
@@ -232,10 +238,7 @@ def test_a_cancel_holds_while_the_controller_does_not_answer(
 ) -> None:
     # A trainer's deadline cancels its batch while slurmctld stalls: the batch must end with
     # what it has, not with scancel's error; the queued elements see the cancel as they start.
-    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
-    fake_slurm.answer("sinfo", "2 4000\n")
-    run_dir = tmp_path / "run"
-    submit_run(tasks, run_dir, options())
+    run_dir = submitted_run(fake_slurm, tasks, tmp_path)
     fake_slurm.answer("scancel", stderr=SCANCEL_TIMED_OUT, returncode=1)
     cancelled = cli("cancel", str(run_dir))
     assert (
@@ -370,10 +373,7 @@ def test_following_a_run_asks_squeue_less_and_less_often(
 ) -> None:
     # Admins throttle users whose polling loads slurmctld: --wait and the Python API ask squeue
     # after squeue_every_s, then twice as long each time, up to four times as long.
-    fake_slurm.answer("sbatch", "Submitted batch job 4242\n")
-    fake_slurm.answer("sinfo", "2 4000\n")
-    run_dir = tmp_path / "run"
-    submit_run(tasks, run_dir, options(concurrency=2))
+    run_dir = submitted_run(fake_slurm, tasks, tmp_path, concurrency=2)
     fake_slurm.answer("squeue", "4242_[0-2]\n")  # pending for ever
     asked = len(fake_slurm.calls("squeue"))
     began = time.monotonic()
