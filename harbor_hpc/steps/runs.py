@@ -106,7 +106,6 @@ def follow(
         note_followed(run_dir)
     squeue = _Squeue()
     alive = squeue.ask(record)
-    told = False  # that queueing waits for the controller
     asked = waves = time.monotonic()
     gap = squeue_every_s  # doubled after each answer
     while True:
@@ -115,11 +114,11 @@ def follow(
             waves = now
             note_followed(run_dir)  # the elements leave the waves to this loop
             try:
-                queued, told = queue_waiting(run_dir), False
-            except cluster.SlurmUnreachable as exc:
-                if not told:  # once while it lasts
-                    log.warning("%s; the waiting elements are queued once it answers", exc.message)
-                queued, told = 0, True
+                queued = queue_waiting(run_dir)
+            except cluster.SlurmUnreachable as exc:  # one silence with squeue's
+                meanwhile = "the waiting elements are queued once it answers"
+                squeue.silence.unanswered(exc, now, meanwhile)
+                queued = 0
             # What was queued is recorded, even when sbatch then did not answer.
             record = load_run(run_dir)
             if queued:  # squeue now (the new jobs must count as alive), then again soon
