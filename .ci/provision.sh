@@ -1116,6 +1116,44 @@ bg_wheels() {
   PART_NOTE="downloaded $(find "$WHEELS" -name '*.whl' | wc -l) wheels"
 }
 
+# 7b. TRL's Harbor integration (issue 56), which harbor_hpc.trl subclasses: trl 1.16 alone,
+# without its dependencies (torch, transformers...: trl.experimental.harbor imports none of
+# them), in a folder of its own on the test user's PYTHONPATH (the env file): not in the
+# project's venv, which `uv sync` would take it out of.
+TRL_VERSION=1.16.0
+TRL_SITE=$STATE/trl
+bg_trl() {
+  local marker=$TRL_SITE/.complete
+  if [ -f "$marker" ] && [ "$(cat "$marker")" = "$TRL_VERSION" ]; then
+    PART_NOTE="reused $TRL_SITE"
+    return 0
+  fi
+  rm -rf "$TRL_SITE"
+  (cd / && PIP_FIND_LINKS="" python3 -m pip install -q --no-deps --no-compile \
+    --target "$TRL_SITE" "trl==$TRL_VERSION")
+  chmod -R o+rX "$TRL_SITE"
+  echo "$TRL_VERSION" >"$marker"
+  PART_NOTE="trl $TRL_VERSION in $TRL_SITE"
+}
+
+# ----------------------------------------------------------------------------------------------
+# 7c. enroot 4.1.2 (and pyxis 0.24.0), NVIDIA's runtime of clusters without Apptainer (issue 57):
+# no package registry here has them; their released sources and build script are in the
+# workspace's shared/vendor beside the checkout (HARBOR_HPC_CI_VENDOR names another). Off PATH:
+# the enroot stage of .ci/run puts it there, the other stages run Apptainer.
+ENROOT_PREFIX=/opt/harbor-hpc-ci/enroot
+part_enroot() {
+  local vendor=${HARBOR_HPC_CI_VENDOR:-$(dirname "$REPO_DIR")/shared/vendor}
+  if [ -x "$ENROOT_PREFIX/bin/enroot" ] && "$ENROOT_PREFIX/bin/enroot" version 2>/dev/null | grep -qx 4.1.2; then
+    PART_NOTE="reused $ENROOT_PREFIX"
+    return 0
+  fi
+  [ -f "$vendor/build.sh" ] || die "no enroot sources: $vendor/build.sh is missing (set HARBOR_HPC_CI_VENDOR)"
+  (cd / && bash "$vendor/build.sh" "$ENROOT_PREFIX") >"$LOGS/enroot-build.log" 2>&1 ||
+    die "building enroot failed: $(tail -n 5 "$LOGS/enroot-build.log")"
+  PART_NOTE="$(tail -n 1 "$LOGS/enroot-build.log")"
+}
+
 # ----------------------------------------------------------------------------------------------
 # 8. The env file for the tests
 part_env() {
@@ -1141,6 +1179,9 @@ export HARBOR_HPC_TEST_SHARED_DIR=$SHARED_DIR
 export HARBOR_HPC_TEST_MULTI_NODE_TMP=$MULTI_TMP
 export HARBOR_HPC_TEST_NODE_TOOL=$NODE_TOOL
 export HARBOR_HPC_TEST_NONETNS=$NONETNS
+export HARBOR_HPC_TEST_ENROOT_BIN=$ENROOT_PREFIX/bin
+export PYTHONPATH=$TRL_SITE
+export TRL_EXPERIMENTAL_SILENCE=1
 EOF
   chmod 644 "$tmp"
   if cmp -s "$tmp" "$ENV_FILE"; then
@@ -1157,6 +1198,7 @@ log "mirror: $MIRROR; logs: $LOGS"
 # Independent of the packages: start at once.
 bg_start 5a-apptainer-fetch part_apptainer_fetch
 bg_start 7-wheels bg_wheels
+bg_start 7b-trl bg_trl
 timed "1 apt packages" part_apt
 # debootstrap is installed now: build both root file systems while the rest goes on.
 bg_start 6a-rootfs-python bg_rootfs_python
@@ -1170,9 +1212,11 @@ timed "5c test users" part_users
 timed "5d egress test host" part_egress_host
 timed "5e multi-node slurm" part_multinode
 timed "5f slurm with low limits" part_limits
+timed "5g enroot" part_enroot
 bg_wait 6a-rootfs-python
 bg_wait 6b-rootfs-nopython
 timed "6c base images" part_images
 bg_wait 7-wheels
+bg_wait 7b-trl
 timed "8 env file" part_env
 log "$(printf '%-22s %6ss' "total" "$(elapsed "$T_START")")"

@@ -196,14 +196,14 @@ def index_run(run_dir: Path) -> None:
     where it holds no entry by today's rules."""
     from harbor_hpc.results.outcomes import RunTrials, note_outcome, read_outcome
 
-    trials = RunTrials(run_dir)
+    trials = RunTrials(run_dir, reward_key=None)
     if trials.noted(trials.markers[0].trial) is not None:
         return
     shutil.rmtree(run_dir / "outcomes", ignore_errors=True)
     for marker in trials.markers:
-        outcome = read_outcome(run_dir, marker)
+        outcome = read_outcome(run_dir, None, marker)
         assert outcome is not None
-        note_outcome(run_dir, marker, outcome, group_readable=False)
+        note_outcome(run_dir, marker, outcome, group_readable=False, reward_key=None)
 
 
 def timed(command: list[str], delay_ms: float, scratch: Path) -> tuple[float, float, float, str]:

@@ -341,7 +341,7 @@ class Step:
 
 
 def read_trials(run_dir: Path, lines: list[dict[str, Any]]) -> list[Trial]:
-    markers = {marker.trial: marker for marker in RunTrials(run_dir).markers}
+    markers = {marker.trial: marker for marker in RunTrials(run_dir, reward_key=None).markers}
     trials = []
     for line in lines:
         trial_dir = Path(line["trial_dir"])

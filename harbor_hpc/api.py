@@ -18,7 +18,13 @@ CLI's) for what a user can cause.
 - The Harbor environments, for a trainer that builds Harbor trials itself:
   `SingularityEnvironment` (the container beside the process) and `RaySingularityEnvironment`
   (the container on a Ray cluster's node; the `ray` extra).
-- The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input) and
+- Sandboxes, for a trainer that drives the tools itself (TRL's `environment_factory`; TRL's
+  own `HarborEnv` on them is `harbor_hpc.trl`): `SandboxPool(SandboxOptions(...))`, whose
+  `open(task_dir)` gives a `Sandbox` (`exec`, `upload`, `download`, `verify()` -> a
+  `SandboxResult`, `close`; `a...` coroutines of each), `SandboxEnded` for a call on one that
+  is gone (docs/python.md, "Sandboxes").
+- The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input;
+  `TaskChangedError`, its kind for a run folder whose tasks changed since it ran them) and
   the environment's own, whose names `status` classifies (`MemoryLimitExceededError`,
   `EnvironmentHostUnavailable`, ...) and Harbor's error policy knows
   (`error_policy_overrides()`, for a `TrialConfig` a trainer makes itself).
@@ -55,6 +61,13 @@ from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.export import Export, ExportFormat
 from harbor_hpc.results.rollout import trial_rollout
 from harbor_hpc.results.status import AttemptStatus, RunStatus
+from harbor_hpc.sandbox.pool import (
+    Sandbox,
+    SandboxEnded,
+    SandboxOptions,
+    SandboxPool,
+    SandboxResult,
+)
 from harbor_hpc.slurm.cluster import SlurmPlacement
 from harbor_hpc.steps import convert as _convert
 from harbor_hpc.steps import runs as _runs
@@ -68,7 +81,7 @@ from harbor_hpc.steps.rollouts import (
     stream_rollouts,
 )
 from harbor_hpc.steps.submit import launch as _submit
-from harbor_hpc.steps.submit.launch import SubmitResult
+from harbor_hpc.steps.submit.launch import SubmitResult, TaskChangedError
 from harbor_hpc.steps.submit.options import SubmitOptions, configured_options
 
 
@@ -113,11 +126,17 @@ __all__ = [
     "RaySingularityEnvironment",
     "RolloutRequest",
     "RunStatus",
+    "Sandbox",
+    "SandboxEnded",
+    "SandboxOptions",
+    "SandboxPool",
+    "SandboxResult",
     "SetupScriptFailed",
     "SingularityEnvironment",
     "SlurmPlacement",
     "SubmitOptions",
     "SubmitResult",
+    "TaskChangedError",
     "UnsupportedTask",
     "cancel_run",
     "configured",

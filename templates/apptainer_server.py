@@ -42,19 +42,30 @@ LINGER_SEC = 0.2
 SHELL = "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
 # Two, used oldest first: in a quick series of commands the newest is still loading.
 WARM_SHELLS = 2
-# Sourcing the script from fd 3 reads it in a few large reads (`read` would go byte by byte).
-WARM_ARGV = [SHELL, "-c", ". /dev/fd/3"]
+# The shell waits for the line that comes before its script, acknowledges it on fd 4 (then
+# closed: no process of the script holds it), and sources the script from fd 3, which reads it
+# in a few large reads (`read` would go byte by byte). A shell that dies before its
+# acknowledgement never began its script (a task's `kill -9 -1` killed the warm ones too, an
+# instant before the next script came): the script runs in a fresh shell instead.
+WARM_ARGV = [SHELL, "-c", "read -r _ <&3; printf . >&4; exec 4>&-; . /dev/fd/3"]
 # Python ignores SIGPIPE; scripts must get the default back (`yes | head` ends).
 RESET_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 PR_SET_CHILD_SUBREAPER = 36
 # Descriptors kept open on the container's tmpfs mounts: the host's memory watchdog reads how
 # full they are through /proc/<our pid>/fd/<n> (it cannot enter the container's paths).
 TMPFS_FDS = ((61, "/dev/shm"), (62, "/dev"))
+# Docker's /dev (`become_subreaper`), remounted with the flags Apptainer mounted it with.
+DEV_SIZE = b"size=65536k"
+MS_NOSUID, MS_REMOUNT, MS_RELATIME = 2, 32, 1 << 21
 # Variables Apptainer sets that a Docker container does not have (and LC_CTYPE, which this
-# python3 set for itself when it found LANG=C: PEP 538).
-APPTAINER_ONLY = ("PS1", "PROMPT_COMMAND", "LANG", "LC_CTYPE")
+# python3 set for itself when it found LANG=C: PEP 538), then those enroot sets.
+APPTAINER_ONLY = ("PS1", "PROMPT_COMMAND", "LANG", "LC_CTYPE", "TERM", "SHELL", "USER", "SHLVL")
+# The lock file enroot binds into the root it starts (enroot.py): no Docker container has it.
+ENROOT_LOCK = "/.lock"
+MNT_DETACH = 2
 APPTAINER_PREFIXES = ("APPTAINER_", "SINGULARITY_")
 APPTAINER_LIBS = "/.singularity.d/libs"
+CLEAN = "clean"  # the last argument of the server started again in Docker's environment
 
 
 class Poller:
@@ -84,14 +95,16 @@ class Poller:
 
 
 class Job:
-    def __init__(self, job_id, pid, out_fd, err_fd, deadline):
+    def __init__(self, job_id, shell, deadline, script):
         self.id = job_id
-        self.pid = pid
+        self.pid, out_fd, err_fd, self.ack_fd = shell
         self.fds = {out_fd: b"O", err_fd: b"E"}
         self.deadline = deadline
+        self.script = script  # until its shell began it
         self.status = None
         self.exited_at = None
         self.timed_out = False
+        self.killed = False  # by the host (a timeout, a kill, a stop): never run again
         self.answered = False
 
 
@@ -130,45 +143,74 @@ class Server:
             view = view[written:]
 
     # -- spawning ----------------------------------------------------------
-    def spawn(self, argv, control_fd):
+    def spawn(self):
+        """A shell waiting for its script: (pid, stdout, stderr, acknowledgement, script's pipe)."""
+        ctl_r, ctl_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        pid = spawn_process(argv, ((out_w, 1), (err_w, 2), (control_fd, 3)))
-        for fd in (out_w, err_w, control_fd):
+        ack_r, ack_w = os.pipe()
+        os.set_blocking(ack_r, False)
+        pid = spawn_process(WARM_ARGV, ((out_w, 1), (err_w, 2), (ctl_r, 3), (ack_w, 4)))
+        for fd in (out_w, err_w, ctl_r, ack_w):
             os.close(fd)
-        return pid, out_r, err_r
+        return pid, out_r, err_r, ack_r, ctl_w
 
     def prepare_warm(self, count=WARM_SHELLS):
         if SHELL != "/bin/bash":
             return
         while len(self.warm) < count:
-            ctl_r, ctl_w = os.pipe()
-            pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
-            self.warm.append((pid, out_r, err_r, ctl_w))
+            self.warm.append(self.spawn())
 
     def start_job(self, job_id, timeout_ms, script):
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000.0
         if self.warm:
             # The oldest: a shell spawned a moment ago may still be loading.
-            pid, out_r, err_r, ctl_w = self.warm.pop(0)
-            self.send_script(ctl_w, script)
+            shell = self.warm.pop(0)
+            self.send_script(shell[4], script)
             # The next warm shell starts while this script runs, not after it answered.
             self.prepare_warm()
         else:
-            ctl_r, ctl_w = os.pipe()
-            pid, out_r, err_r = self.spawn(WARM_ARGV, ctl_r)
-            self.send_script(ctl_w, script)
-        job = Job(job_id, pid, out_r, err_r, deadline)
+            shell = self.spawn()
+            self.send_script(shell[4], script)
+        job = Job(job_id, shell[:4], deadline, script)
         self.jobs[job_id] = job
-        self.by_pid[pid] = job
+        self.by_pid[job.pid] = job
         for fd in job.fds:
             self.selector.register(fd, job)
+
+    def run_again(self, job):
+        """Run the script of `job`, whose shell died before it began it, in a fresh shell."""
+        for fd in list(job.fds):
+            self.selector.unregister(fd)
+            os.close(fd)
+        os.close(job.ack_fd)
+        shell = self.spawn()
+        self.send_script(shell[4], job.script)
+        job.pid, out_fd, err_fd, job.ack_fd = shell[:4]
+        job.fds = {out_fd: b"O", err_fd: b"E"}
+        job.script = None  # once only: a shell that dies again answers as it died
+        self.by_pid[job.pid] = job
+        for fd in job.fds:
+            self.selector.register(fd, job)
+
+    def kill_job(self, job):
+        job.killed = True
+        kill_group(job.pid)
+
+    @staticmethod
+    def began(job):
+        """Whether the (ended) shell of `job` acknowledged its script."""
+        try:
+            return os.read(job.ack_fd, 1) == b"."
+        except OSError:  # still held open: only by a shell that is yet to acknowledge
+            return False
 
     @staticmethod
     def send_script(ctl_w, script):
         # A script bigger than the pipe buffer would block us while the shell
         # reads it; the shell sources it as one unit, so write it all then close.
-        view = memoryview(script)
+        # The line before it is the one the shell acknowledges.
+        view = memoryview(b"\n" + script)
         while view:
             try:
                 view = view[os.write(ctl_w, view) :]
@@ -182,9 +224,9 @@ class Server:
     def run(self):
         self.send(("H py %d\n" % os.getuid()).encode())
         # The host goes on (connects the network, starts its watchdog) while ctypes is imported
-        # and the warm shells load: no script can start before the loop reads the channel. The
-        # subreaper first, so that every process the server forks is under it (kernels before
-        # 4.11 do not pass it to processes forked before it).
+        # and the warm shells load: no script can start before the loop reads the channel (nor
+        # see Apptainer's /dev). The subreaper first, so that every process the server forks is
+        # under it (kernels before 4.11 do not pass it to processes forked before it).
         become_subreaper()
         # One before the first script: a second one loading beside it would slow it down, and
         # every container a node starts at once. The loop makes the second once a script came.
@@ -206,6 +248,8 @@ class Server:
         # Idle shells would outlive us (and keep Apptainer waiting for them).
         for shell in self.warm:
             kill_group(shell[0])
+            for fd in shell[1:]:
+                os.close(fd)
         kill_container_processes()
 
     def next_wait(self):
@@ -228,7 +272,7 @@ class Server:
             self.running = False
             self.selector.unregister(self.chan_in)
             for job in list(self.jobs.values()):
-                kill_group(job.pid)
+                self.kill_job(job)
             return
         self.inbuf += data
         while True:
@@ -249,11 +293,11 @@ class Server:
             if fields and fields[0] == b"K":
                 job = self.jobs.get(fields[1].decode())
                 if job is not None:
-                    kill_group(job.pid)
+                    self.kill_job(job)
             elif fields and fields[0] == b"Q":
                 self.running = False
                 for job in list(self.jobs.values()):
-                    kill_group(job.pid)
+                    self.kill_job(job)
 
     def drain_wake(self):
         try:
@@ -297,6 +341,11 @@ class Server:
             if pid == 0:
                 return
             job = self.by_pid.pop(pid, None)
+            if job is not None and job.script is not None and not job.killed:
+                if not self.began(job):
+                    self.run_again(job)
+                    continue
+                job.script = None
             if job is None:
                 for shell in [shell for shell in self.warm if shell[0] == pid]:
                     # A warm shell died (killed from outside): the loop spawns another.
@@ -313,7 +362,7 @@ class Server:
         for job in list(self.jobs.values()):
             if job.deadline is not None and not job.timed_out and now >= job.deadline:
                 job.timed_out = True
-                kill_group(job.pid)
+                self.kill_job(job)
             if job.exited_at is not None and now >= job.exited_at + LINGER_SEC:
                 for fd in list(job.fds):
                     self.selector.modify(fd, "orphan")
@@ -324,6 +373,7 @@ class Server:
         if job.status is None or job.fds or job.answered:
             return
         job.answered = True
+        os.close(job.ack_fd)
         del self.jobs[job.id]
         flag = "t" if job.timed_out else "-"
         self.send(("R %s %d %s\n" % (job.id, job.status, flag)).encode())
@@ -389,12 +439,21 @@ def exit_code(status):
 
 def become_subreaper():
     """Orphans of the scripts (daemons that double-fork) become our children rather than
-    leaving the container's process tree, where the host's memory watchdog and stop look."""
+    leaving the container's process tree, where the host's memory watchdog and stop look.
+    And Docker's /dev: a tmpfs of 64 MB. Apptainer's is as big as half the node's memory, so
+    a task's file there grew its container's memory, where Docker's meets a full disk: the
+    container's root owns the mount and remounts it (where it may not, Apptainer's stays).
+    Under enroot, its lock file is unmounted and removed from the root."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc.mount(b"none", b"/dev", None, MS_REMOUNT | MS_NOSUID | MS_RELATIME, DEV_SIZE)
+        with open("/proc/self/mountinfo", "rb") as mounts:
+            enroot = (" %s " % ENROOT_LOCK).encode() in mounts.read()
+        if enroot and libc.umount2(ENROOT_LOCK.encode(), MNT_DETACH) == 0:
+            os.unlink(ENROOT_LOCK)
     except (OSError, AttributeError, ImportError):
         pass
 
@@ -434,12 +493,27 @@ def docker_environment(image_env_file):
 
 
 def main():
+    # The container's first process (Apptainer's --no-init), as a Docker container's init: the
+    # kernel drops a signal sent to it from inside the container unless it handles that signal,
+    # so a task's `kill -9 -1` or `kill -INT 1` cannot end it. Python handles SIGINT itself.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     # Docker's umask, whatever the user's (a cluster login often has 077): files the task's root
     # makes stay readable by its other users, as the task expects.
     os.umask(0o022)
-    hold_tmpfs_fds()
     workdir = sys.argv[1] if len(sys.argv) > 1 else "/"
-    docker_environment(sys.argv[2] if len(sys.argv) > 2 else "")
+    image_env = sys.argv[2] if len(sys.argv) > 2 else ""
+    docker_environment(image_env)
+    if sys.argv[3:4] != [CLEAN] and sys.executable:
+        # Once more with Docker's environment from the start: this process's /proc/PID/environ
+        # (what a task reads of it, of PID 1 when the server is the container's init) is what
+        # it was started with, whatever os.environ became. (Python's own locale coercion may
+        # change os.environ again: the argument, not the environment, says it was done.)
+        try:
+            again = [sys.executable, "-I", "-S", sys.argv[0], workdir, image_env, CLEAN]
+            os.execve(sys.executable, again, os.environ)
+        except OSError:
+            pass
+    hold_tmpfs_fds()
     try:
         os.makedirs(workdir, exist_ok=True)
         os.chdir(workdir)

@@ -68,6 +68,10 @@ def mount(request):
     os.chmod(request["upper"], stat.S_IMODE(image_root.st_mode))
     dirs = f"lowerdir={lower},upperdir={request['upper']},workdir={request['work']}"
     run(["mount", "-t", "overlay", "overlay", "-o", dirs + ",userxattr", request["merged"]])
+    if request.get("shm"):
+        # The container's /dev/shm, as Docker's: a tmpfs of its own, 64 MB unless told.
+        options = f"size={request['shm_size']},mode=1777,nosuid,nodev"
+        run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", request["shm"]])
     make_targets(request["merged"], request.get("dirs", []), request.get("files", []))
 
 

@@ -4,7 +4,8 @@ Integration tests are marked by the real part they need: docker, registry, slurm
 other_user (another local user that the tests can act as: tests/support/users.py), lab_group
 (that user and the tester share a group, as a lab does), small_disk (a filesystem of the tester's
 own to fill: tests/support/small_disk.py), ray (Ray, the `ray` extra: tests/ray), egress (the
-egress test host), multinode (the three-node Slurm cluster beside the one-node one: `MultiNode`).
+egress test host), multinode (the three-node Slurm cluster beside the one-node one: `MultiNode`),
+trl (TRL's Harbor integration, importable).
 
 Where a part is missing the test skips, so `uv run pytest` passes on a laptop. CI sets
 HARBOR_HPC_REQUIRE_INTEGRATION=1, which turns every such skip into a failure. Whether a part
@@ -35,6 +36,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harbor_hpc.apptainer.enroot import find_enroot
 from harbor_hpc.apptainer.network import egress_problem
 from harbor_hpc.apptainer.nodes import load_answers
 from harbor_hpc.apptainer.store import ensure_sif
@@ -73,6 +75,8 @@ PARTS = (
     "egress",
     "multinode",
     "limits",
+    "trl",
+    "enroot",
 )
 
 
@@ -95,7 +99,28 @@ def missing(part: str) -> str | None:
         return _multinode_missing()
     if part == "limits":
         return _limits_missing()
+    if part == "trl":
+        return _trl_missing()
+    if part == "enroot":
+        return _enroot_missing()
     return doctor.part_problem(part)
+
+
+def _enroot_missing() -> str | None:
+    """enroot on PATH (CI's enroot stage puts the one .ci/provision.sh builds there)."""
+    if find_enroot() is None:
+        return "enroot is not on PATH (.ci/provision.sh builds it: HARBOR_HPC_TEST_ENROOT_BIN)"
+    return None
+
+
+def _trl_missing() -> str | None:
+    """TRL's Harbor integration, importable (CI installs trl without its dependencies:
+    .ci/provision.sh puts it on the test user's PYTHONPATH)."""
+    try:
+        import trl.experimental.harbor  # noqa: F401
+    except ImportError as exc:
+        return f"trl is not importable ({exc}): pip install --no-deps 'trl==1.16.0'"
+    return None
 
 
 def _limits_missing() -> str | None:

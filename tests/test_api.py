@@ -131,6 +131,9 @@ def test_kwargs_take_paths_and_refuse_what_a_run_cannot_record(tmp_path: Path) -
         ({"deadline_s": "60"}, "deadline_s must be a number of seconds above 0, not '60'"),
         ({"agent": None}, "agent must be a string, not None"),
         ({"run_dir": 3}, "run_dir must be a path, not int 3"),
+        ({"reward_key": ""}, "reward_key must name a key of the verifier's reward.json, not ''"),
+        ({"reward_key": 1}, "reward_key must name a key of the verifier's reward.json, not 1"),
+        ({"rerun_changed": "yes"}, "rerun_changed must be True or False, not 'yes'"),
     ],
 )
 def test_a_wrong_type_is_refused_in_python_words_when_the_request_is_made(
@@ -153,6 +156,9 @@ def test_errors_raised_to_python_name_fields_and_functions_not_flags() -> None:
     # Another command's flag, in a hint to run it, keeps its dashes; a switch is its field.
     assert in_python_words("run `harbor-hpc rewrite --sif`") == "run `harbor-hpc rewrite --sif`"
     assert in_python_words("or --no-model-check") == "or model_check=False"
+    assert in_python_words("pass --rerun-changed, or another --reward-key") == (
+        "pass rerun_changed, or another reward_key"
+    )
 
 
 def test_the_api_functions_speak_python(tmp_path: Path) -> None:

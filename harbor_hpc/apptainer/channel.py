@@ -45,6 +45,10 @@ class _Pending:
     )
 
 
+# What the bash server writes of a script: its output, and what its shell notes of itself.
+_SH_OUTPUTS = (".out", ".err", ".pid", ".status")
+
+
 class Channel:
     """Runs shell scripts in the container through the server on the other end of `process`.
 
@@ -229,8 +233,7 @@ class Channel:
     def _remove_exchange_files(self, job_id: str) -> None:
         for path in (
             self._exchange_dir / "req" / f"{job_id}.sh",
-            self._exchange_dir / "out" / f"{job_id}.out",
-            self._exchange_dir / "out" / f"{job_id}.err",
+            *(self._exchange_dir / "out" / f"{job_id}{suffix}" for suffix in _SH_OUTPUTS),
         ):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import psutil
 
+from harbor_hpc.apptainer import enroot
 from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
 from harbor_hpc.apptainer.errors import ContainerDied, ContainerStartFailed
-from harbor_hpc.apptainer.holder import ONE_ID_FLAGS, Holder, bind_targets
+from harbor_hpc.apptainer.holder import ONE_ID_FLAGS, Holder, bind_targets, shm_bind
 from harbor_hpc.apptainer.runtime import DEFAULT_NO_MOUNT, task_container_command
 from harbor_hpc.apptainer.sif import ImageConfig, root_partition
 from harbor_hpc.apptainer.watchdog import (
@@ -118,6 +119,8 @@ class Container:
         self.merged: Path | None = None
         self.image = image
         self.logger = logger
+        # What starts it (runtime.container_runtime): enroot only on a root of our own.
+        self.runtime = "apptainer"
         self.process: asyncio.subprocess.Process | None = None
         self.channel: Channel | None = None
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
@@ -126,6 +129,11 @@ class Container:
     @property
     def staging(self) -> Path:
         return self.private / "staging"
+
+    @property
+    def root_state(self) -> Path:
+        """Where its own root's upper, work and mount folders are (holder.py)."""
+        return self.private / "root"
 
     @property
     def overlay(self) -> Path:
@@ -170,7 +178,7 @@ class Container:
         (`root`) or its .sif as lower, with the mount points of the binds in `options`."""
         assert self.holder is not None
         self.merged = await self.holder.mount(
-            self.private / "root", self.sif, self.root, bind_targets(options)
+            self.root_state, self.sif, self.root, bind_targets(options)
         )
 
     def command(
@@ -185,7 +193,21 @@ class Container:
     ) -> list[str]:
         """The command starting the container's server in `workdir`: Apptainer with `flags`
         (`run_flags`) and `options` on the .sif, or, in its holder's namespaces (and the network
-        namespace of host pid `net_of`), as root there on its own root."""
+        namespace of host pid `net_of`), as root there on its own root: Apptainer's, or enroot's
+        where that is the runtime (enroot.py)."""
+        if self.runtime == "enroot":
+            assert self.holder is not None and self.merged is not None
+            return [
+                *self.holder.enter(net_of),
+                *enroot.container_command(
+                    self.merged,
+                    launcher(workdir),
+                    options=options,
+                    own_network=own_network,
+                    subids=self.holder.subids,
+                    sysconf_dir=enroot.sysconf(self.private),
+                ),
+            ]
         if self.holder is not None:
             # Root there already; without a subuid range, Apptainer's fakeroot command too.
             flags = () if self.holder.subids else ONE_ID_FLAGS
@@ -202,8 +224,11 @@ class Container:
 
     def mounts(self) -> list[str]:
         """Apptainer's options mounting what this container's server needs (`server_mounts`);
-        its own root needs no image view: the kernel's overlay serves its files."""
-        return server_mounts(self.staging, None if self.holder else self.sif)
+        its own root needs no image view (the kernel's overlay serves its files) and has a
+        /dev/shm of Docker's size (holder.py)."""
+        if self.holder is not None:
+            return [*server_mounts(self.staging, None), *shm_bind(self.root_state)]
+        return server_mounts(self.staging, self.sif)
 
     async def launch(self, command: Sequence[str]) -> None:
         """Start `command` (which runs `launcher`) and wait for the server's greeting."""

@@ -99,12 +99,20 @@ from harbor_hpc.apptainer.runtime import (
     OVERLAY_OFF_FIX,
     PATH_REFUSED,
     SANDBOX_REFUSED,
+    container_runtime,
     refuses_overlay_folders,
     run_flags,
     writes_in_memory,
 )
-from harbor_hpc.apptainer.sif import ImageConfig, image_config
-from harbor_hpc.apptainer.watchdog import MemoryWatchdog, memory_limit_mb, oom_kills
+from harbor_hpc.apptainer.sif import ImageConfig, foreign_architecture, image_config
+from harbor_hpc.apptainer.watchdog import (
+    DiskKill,
+    DiskWatchdog,
+    MemoryWatchdog,
+    OomKill,
+    memory_limit_mb,
+    oom_kills,
+)
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import filesystem_type
 from harbor_hpc.core.scratch import PrivateDir
@@ -267,6 +275,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._no_mount = DEFAULT_NO_MOUNT if no_mount is None else no_mount
         self._workdir_kwarg = options.workdir
         self._fakeroot = options.fakeroot
+        self._runtime_setting = options.runtime
         self._nohttps = options.nohttps
         self._watchdog_enabled = options.memory_watchdog
         self._kill_fraction = options.memory_kill_fraction
@@ -302,6 +311,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._compose: Compose | None = None
         self._sidecars: dict[str, Sidecar] = {}
         self._watchdog: MemoryWatchdog | None = None
+        self._disk_watchdog: DiskWatchdog | None = None
         # The OOM kills in this process's memory cgroup when the container started (None: no
         # cgroup says): a kill since is the job's memory running out.
         self._oom_kills_at_start: int | None = None
@@ -419,6 +429,15 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"in {where}: {exc.message}{hint}"
             ) from exc
 
+    def _refuse_foreign(self, sif: Path, services: dict[str, Path]) -> None:
+        """Refuse an image built for another architecture than this node's, in those words:
+        Apptainer would say so of a plain `exec`, but a root mounted from the partition
+        (holder.py) would only fail at its first program."""
+        for name, path in [(None, sif), *services.items()]:
+            if (why := foreign_architecture(path)) is not None:
+                of = f"service {name}'s image" if name else "its image"
+                raise ImageUnavailable(f"task {self.environment_name}: {of} {path}: {why}")
+
     def _load_compose(self) -> Compose | None:
         """The task's compose services (its own file, then the run's extra_docker_compose)."""
         try:
@@ -447,6 +466,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._compose = self._load_compose()
         self.sif_path = await self._resolve_image(force_build or self._force_pull)
         service_sifs = await self._service_sifs() if self._compose else {}
+        self._refuse_foreign(self.sif_path, service_sifs)
         self.image = image_config(self.sif_path) or ImageConfig()
         if not (self._workdir_kwarg or self.task_env_config.workdir):
             self.workdir = self.image.workdir or DEFAULT_WORKDIR
@@ -507,6 +527,12 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         the path taken, and why, said in the trial's log."""
         assert self._main is not None
         path = None
+        enroot = self._main.runtime == "enroot"
+        if enroot and not self._fakeroot:
+            raise ContainerStartFailed(
+                f"task {self.environment_name}: enroot runs a task as root in its container: "
+                "fakeroot=false needs Apptainer (runtime=apptainer)"
+            )
         if self._fakeroot:
             subids = not missing_subid_ranges()
             path = await asyncio.to_thread(root_path, self._scratch_parent, subids=subids)
@@ -518,10 +544,20 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             else:
                 self._holder = self._main.holder = holder
                 self.logger.info(
-                    "task %s: container root: %s", self.environment_name, path.describe()
+                    "task %s: container root: %s%s",
+                    self.environment_name,
+                    path.describe(),
+                    ", started by enroot" if enroot else "",
                 )
                 return ()
             path = root_path(self._scratch_parent, subids=subids)
+        if enroot:
+            # Apptainer's own overlay is the only other path, and this node has no Apptainer.
+            why = path.describe() if path is not None else "not asked"
+            raise ContainerStartFailed(
+                f"task {self.environment_name}: enroot starts containers on a root of our own, "
+                f"which this node cannot mount: {why} (`harbor-hpc doctor` says why)"
+            )
         if path is not None:
             self.logger.warning(
                 "task %s: container root: %s", self.environment_name, path.describe()
@@ -585,6 +621,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._main = Container(
             f"task {self.environment_name}", private, self.sif_path, self.image, self.logger
         )
+        try:
+            self._main.runtime = container_runtime(self._runtime_setting)
+        except HarborHpcError as exc:
+            raise ContainerStartFailed(f"task {self.environment_name}: {exc.message}") from exc
         self._main.stage(env, self.environment_dir / "files")
 
     @property
@@ -673,6 +713,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                     time.monotonic() - began,
                 )
             except HolderFailed as exc:
+                if self._main.runtime == "enroot":
+                    raise ContainerStartFailed(
+                        f"task {self.environment_name}: its own root failed, which enroot "
+                        f"needs: {exc}"
+                    ) from exc
                 self.logger.warning(
                     "task %s: its own root failed (%s): Apptainer's own overlay on the .sif",
                     self.environment_name,
@@ -734,8 +779,19 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 kill_fraction=self._kill_fraction,
                 interval_sec=self._poll_interval,
                 tmpfs_paths=self._main.tmpfs_paths(),
+                servers=self._server_pids,
+                on_kill=self._note_oom_kill,
             )
             self._watchdog.start()
+        storage_mb = self.task_env_config.storage_mb
+        if storage_mb and self._private_dir is not None:
+            self._disk_watchdog = DiskWatchdog(
+                self._private_dir,
+                limit_bytes=storage_mb * 1024 * 1024,
+                servers=self._server_pids,
+                on_kill=self._note_disk_kill,
+            )
+            self._disk_watchdog.start()
 
     async def _start_services(self, flags: tuple[str, ...], sifs: dict[str, Path]) -> None:
         """The compose services, each once what it depends on is as its condition asks; then
@@ -763,7 +819,12 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             await wait_for(service.depends_on)
             private = self._private_dir / "services" / service.name
             private.mkdir(parents=True)
-            for name, text in (("hosts", self._hosts(service.name)), ("resolv.conf", RESOLV_CONF)):
+            files = {
+                "hosts": self._hosts(service.name),
+                "resolv.conf": RESOLV_CONF,
+                "hostname": f"{service.name}\n",
+            }
+            for name, text in files.items():
                 (private / name).write_text(text)
                 (private / name).chmod(0o644)
             sidecar = Sidecar(
@@ -772,8 +833,12 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             self._sidecars[service.name] = sidecar
             if self._holder is not None:
                 sidecar.container.holder = self._holder
+                sidecar.container.runtime = self._main.runtime
                 await self._lease_root(sidecar.container)
             binds = [*sidecar.container.mounts(), "-B", f"{private / 'hosts'}:/etc/hosts"]
+            if sidecar.container.runtime == "enroot":
+                # Apptainer's --hostname writes /etc/hostname itself; enroot leaves the image's.
+                binds += ["-B", f"{private / 'hostname'}:/etc/hostname"]
             if self._own_network:
                 binds += ["-B", f"{private / 'resolv.conf'}:/etc/resolv.conf"]
             binds += self._volume_binds(service.volumes)
@@ -934,6 +999,23 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
         return self._main
 
+    def _server_pids(self) -> list[int]:
+        """The host pids of the command servers of the main container and its services: what
+        is below them is the task's (the watchdog's to kill, one process at a time)."""
+        containers = [self._main, *[sidecar.container for sidecar in list(self._sidecars.values())]]
+        return [pid for c in containers if c is not None and (pid := c.server_pid()) is not None]
+
+    def _note_oom_kill(self, kill: OomKill) -> None:
+        """A process the watchdog killed for the memory limit, as Docker's OOM killer would: the
+        trial goes on (the policy's outcome); its log says what was killed, as the kernel's
+        would."""
+        self.logger.warning("task %s: %s", self.environment_name, kill.describe())
+
+    def _note_disk_kill(self, kill: DiskKill) -> None:
+        """A process the disk watchdog killed for the task's storage_mb: the policy's outcome,
+        as a write that met a full disk would be; the log says what was killed."""
+        self.logger.warning("task %s: %s", self.environment_name, kill.describe())
+
     def _raise_if_memory_breached(self) -> None:
         if self._watchdog is not None and self._watchdog.breach is not None:
             raise MemoryLimitExceededError(
@@ -1077,6 +1159,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     async def stop(self, delete: bool) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+        if self._disk_watchdog is not None:
+            self._disk_watchdog.stop()
         for sidecar in reversed(list(self._sidecars.values())):
             await sidecar.container.stop(self._volume_targets(sidecar.service.volumes))
         self._sidecars = {}

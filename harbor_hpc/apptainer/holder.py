@@ -190,6 +190,15 @@ def bind_targets(options: Sequence[str]) -> tuple[list[str], list[str]]:
     return dirs, files
 
 
+# Docker's default /dev/shm (`shm_size`): a task that writes more there meets a full disk.
+DOCKER_SHM_BYTES = 64 * 1024 * 1024
+
+
+def shm_bind(state: Path) -> list[str]:
+    """Apptainer's option binding the /dev/shm `mount` made in `state` at /dev/shm."""
+    return ["-B", f"{state / 'shm'}:/dev/shm"]
+
+
 class Holder:
     """An environment's own user, mount and pid namespaces, in which its containers' roots are
     mounted (`mount`) and its containers run (`enter`), until `stop`. `take` gives one."""
@@ -279,8 +288,9 @@ class Holder:
     ) -> Path:
         """Mount a container's root: `lower` (an unpacked root) or else `sif`'s squashfs, under
         an upper and work folder in `state`; the mount points `targets` (dirs, files) made in
-        it. The merged folder."""
-        for name in ("upper", "work", "merged", "image"):
+        it; and a tmpfs of Docker's default size at `state`/shm, its /dev/shm (`shm_bind`).
+        The merged folder."""
+        for name in ("upper", "work", "merged", "image", "shm"):
             (state / name).mkdir(parents=True)
         request: dict[str, object] = {
             "lower": str(lower or state / "image"),
@@ -289,6 +299,8 @@ class Holder:
             "merged": str(state / "merged"),
             "dirs": targets[0],
             "files": targets[1],
+            "shm": str(state / "shm"),
+            "shm_size": DOCKER_SHM_BYTES,
         }
         if lower is None:
             partition = root_partition(sif)

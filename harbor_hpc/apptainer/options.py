@@ -47,6 +47,12 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         description="Root inside the container, as in Docker; off runs the task as the "
         "submitting user, without root.",
     )
+    runtime: Literal["auto", "apptainer", "enroot"] | None = Field(
+        None,
+        description="What starts the containers: `apptainer`, `enroot` (NVIDIA's, where a node "
+        "has no Apptainer), or `auto`, Apptainer where there is one, else enroot (the default; "
+        "$HARBOR_HPC_RUNTIME, else the config file's `runtime`, sets it for every run).",
+    )
     nohttps: bool | None = Field(
         None, description="Reach the registry over plain HTTP when converting."
     )

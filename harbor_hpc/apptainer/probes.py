@@ -28,6 +28,7 @@ from pathlib import Path
 
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
+from harbor_hpc.apptainer.enroot import find_enroot
 from harbor_hpc.apptainer.holder import root_path
 from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.network import (
@@ -50,6 +51,7 @@ from harbor_hpc.apptainer.runtime import (
     Compression,
     apptainer_version,
     build_command,
+    container_runtime,
     find_apptainer,
     first_that_runs,
     refuses_overlay_folders,
@@ -77,7 +79,14 @@ _BROKEN_FIX = "the install looks broken: reinstall it, or load another module"
 
 def findings(cache_dir: Path) -> list[Finding]:
     """Everything about Apptainer here: the install, the host's support for it, and a real run
-    of an image in each mode the runtime may use (the image is kept in `cache_dir`)."""
+    of an image in each mode the runtime may use (the image is kept in `cache_dir`); or, where
+    enroot is the runtime (a node without Apptainer), what enroot's containers get here."""
+    try:
+        chosen = container_runtime()
+    except HarborHpcError as exc:
+        return [Finding("runtime", Status.MISSING, exc.message, exc.hint or "")]
+    if chosen == "enroot":
+        return enroot_findings()
     install = install_findings()
     if any(finding.status is Status.MISSING for finding in install):
         return install
@@ -110,7 +119,51 @@ def findings(cache_dir: Path) -> list[Finding]:
                 "or installs apptainer-suid",
             )
         )
+    enroot = find_enroot()
+    if enroot is not None:
+        found.append(
+            Finding("runtime", Status.OK, f"Apptainer; enroot too ({enroot}): runtime=enroot")
+        )
     return [*found, *run_findings(binary, cache_dir)]
+
+
+def enroot_findings() -> list[Finding]:
+    """enroot as the runtime (enroot.py): it starts containers on a root of our own only, so
+    that root's path must be open here; GPUs are not passed to its containers yet."""
+    binary = find_enroot()
+    if binary is None:
+        return [Finding("runtime", Status.MISSING, "enroot is not on PATH", "`module load enroot`")]
+    version = run([binary, "version"])
+    if not version.ok:
+        return [Finding("runtime", Status.MISSING, f"enroot: {version.why()}", _BROKEN_FIX)]
+    found = [
+        Finding("runtime", Status.OK, f"enroot {version.stdout.strip()} ({binary}), no Apptainer"),
+        userns_finding(),
+        subid_finding(),
+    ]
+    root = container_root_finding()
+    if root.status is not Status.OK:
+        root = Finding(
+            "container root",
+            Status.MISSING,
+            f"{root.detail}: enroot starts containers on a root of our own only",
+            root.fix,
+        )
+    return [
+        *found,
+        root,
+        unpacked_roots_finding(),
+        trial_scratch_finding(),
+        network_finding(),
+        network_policy_finding(),
+        compose_finding(),
+        Finding(
+            "gpus",
+            Status.WARN,
+            "not passed to enroot's containers yet: tasks that ask for GPUs fail",
+            "run them on nodes with Apptainer (runtime=apptainer)",
+        ),
+    ]
 
 
 _VERSION_FIX = (

@@ -64,8 +64,9 @@ _GROWTH = 4
 AUTO_SHARE = 0.25
 GIB = 1 << 30
 
-# The roots this process is unpacking in the background (their keys), one thread each.
-_unpacking: set[str] = set()
+# The roots this process is unpacking in the background (their folders: an image's key is the
+# same in every roots folder), one thread each.
+_unpacking: set[Path] = set()
 _unpacking_lock = threading.Lock()
 
 
@@ -161,9 +162,9 @@ class UnpackedRoots:
             seen.touch()
             return
         with _unpacking_lock:
-            if key in _unpacking:
+            if self.folder / key in _unpacking:
                 return
-            _unpacking.add(key)
+            _unpacking.add(self.folder / key)
         threading.Thread(
             target=self._unpack_in_background,
             args=(sif, partition, key),
@@ -192,7 +193,7 @@ class UnpackedRoots:
             log.warning("unpacked roots: %s: %s: it runs from its .sif", sif, exc)
         finally:
             with _unpacking_lock:
-                _unpacking.discard(key)
+                _unpacking.discard(self.folder / key)
 
     def _ours(self) -> bool:
         """Make the folder (0700); False when it is not this user's own."""

@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 
 from harbor_hpc.apptainer import nodes
+from harbor_hpc.apptainer.enroot import find_enroot
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.proc import Ran, run
@@ -100,6 +101,31 @@ def find_apptainer() -> str:
         "neither apptainer nor singularity is on PATH",
         hint="load it (`module load apptainer`) or install Apptainer; `harbor-hpc doctor` checks",
     )
+
+
+RUNTIMES = ("apptainer", "enroot")
+RUNTIME_ENV = "HARBOR_HPC_RUNTIME"
+
+
+def container_runtime(setting: str | None = None) -> str:
+    """What starts this node's containers: `setting` (the environment's `runtime`), else
+    $HARBOR_HPC_RUNTIME, else the config file's `runtime`; `auto` (the default) is Apptainer
+    where there is one (on PATH, or `HARBOR_HPC_APPTAINER`), else enroot where there is that."""
+    chosen = setting or os.environ.get(RUNTIME_ENV) or load_config().values.get("runtime")
+    chosen = chosen or "auto"
+    if chosen not in (*RUNTIMES, "auto"):
+        raise InputError(
+            f"runtime {chosen!r} is none of apptainer, enroot, auto",
+            hint=f"fix the environment's runtime, ${RUNTIME_ENV} or the config file's runtime",
+        )
+    if chosen != "auto":
+        return chosen
+    try:
+        find_apptainer()
+    except HarborHpcError:
+        if find_enroot() is not None:
+            return "enroot"
+    return "apptainer"
 
 
 # Root in the container, as Docker gives it: a user namespace mapping the user to root, with
@@ -343,7 +369,9 @@ def container_flags(
         writable = ["--writable"]
     else:
         writable = ["--writable-tmpfs"] if writes_in_memory() else ["--overlay", str(overlay)]
-    flags = ["--contain", "--cleanenv", "--ipc", "--pid", *writable]
+    # --no-init: no Apptainer shim (`appinit`, its environ the engine's whole config) as the
+    # pid namespace's PID 1; the command is, as a Docker container's is.
+    flags = ["--contain", "--cleanenv", "--ipc", "--pid", "--no-init", *writable]
     for part in no_mount.split(","):
         if part.strip():
             flags += ["--no-mount", part.strip()]

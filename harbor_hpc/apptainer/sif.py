@@ -12,12 +12,15 @@ same descriptor (`write_image_config`), so the environment starts its images exa
 starts converted ones.
 
 The container mounts the image's root partition (`root_partition`) a second time, read-only,
-for its command server's python3 (container.py says why).
+for its command server's python3 (container.py says why). The partition also says which
+architecture the image's programs are for (`foreign_architecture` compares it to the node's).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -38,6 +41,34 @@ _EXTRA_AT = _NAME_AT + _NAME_LEN
 _PARTITION = struct.Struct("<ii")  # a partition's file system and kind, at _EXTRA_AT
 _JSON_GENERIC, _PARTITION_TYPE = 0x4006, 0x4004
 _SQUASHFS, _PRIMARY_SYSTEM = 1, 2
+_ARCH_AT = _EXTRA_AT + _PARTITION.size  # a partition's architecture: 3 bytes, "02" for amd64
+# The SIF's architecture codes (github.com/apptainer/sif, as `apptainer sif list` names them).
+_ARCHITECTURES = {
+    b"01": "386",
+    b"02": "amd64",
+    b"03": "arm",
+    b"04": "arm64",
+    b"05": "ppc64",
+    b"06": "ppc64le",
+    b"07": "mips",
+    b"08": "mipsle",
+    b"09": "mips64",
+    b"10": "mips64le",
+    b"11": "s390x",
+    b"12": "riscv64",
+}
+# What `uname -m` says on a machine of each (the names qemu's binfmt_misc handlers carry).
+_MACHINES = {
+    "386": "i386",
+    "amd64": "x86_64",
+    "arm": "arm",
+    "arm64": "aarch64",
+    "ppc64": "ppc64",
+    "ppc64le": "ppc64le",
+    "s390x": "s390x",
+    "riscv64": "riscv64",
+}
+_BINFMT = Path("/proc/sys/fs/binfmt_misc")
 _OCI_CONFIG_NAME = b"oci-config.json"
 # `apptainer sif add --datatype` for JSON.Generic; the system partition's group, as Apptainer's own.
 _JSON_DATATYPE, _SYSTEM_GROUP = "6", "1"
@@ -112,6 +143,7 @@ class RootPartition:
     id: int
     offset: int
     size: int
+    arch: str = ""  # the architecture its programs are for (Apptainer's name), "" unknown
 
 
 def root_partition(sif: Path) -> RootPartition | None:
@@ -125,10 +157,44 @@ def root_partition(sif: Path) -> RootPartition | None:
                     _PRIMARY_SYSTEM,
                 ):
                     _, _, _, _, _, offset, size = _DESCRIPTOR_FIXED.unpack_from(entry)
-                    return RootPartition(number, offset, size)
+                    code = entry[_ARCH_AT : _ARCH_AT + 3].rstrip(b"\0")
+                    return RootPartition(number, offset, size, _ARCHITECTURES.get(code, ""))
     except (OSError, struct.error):
         return None
     return None
+
+
+def node_architecture() -> str:
+    """This machine's architecture in Apptainer's (Go's) names: amd64 for x86_64."""
+    machine = platform.machine().lower()
+    named = {machine: arch for arch, machine in _MACHINES.items()}
+    named |= {"arm64": "arm64", "i686": "386", "i586": "386"}
+    return named.get(machine, "arm" if machine.startswith("arm") else machine)
+
+
+def foreign_architecture(sif: Path) -> str | None:
+    """Why `sif`'s programs cannot run on this node, or None when they can: its root partition
+    is for another architecture than the node's, and no binfmt_misc handler (qemu-user) of this
+    node runs that architecture's programs (Apptainer's own test). An unknown one is let be."""
+    partition = root_partition(sif)
+    if partition is None or not partition.arch:
+        return None
+    node = node_architecture()
+    if partition.arch == node:
+        return None
+    machine = _MACHINES.get(partition.arch, partition.arch)
+    try:
+        handlers = [name for name in os.listdir(_BINFMT) if machine in name]
+    except OSError:
+        handlers = []
+    if handlers:
+        return None
+    return (
+        f"built for {partition.arch} ({machine}), but this node, {os.uname().nodename}, is "
+        f"{node} ({platform.machine()}) and cannot run its programs: build the image for "
+        f"linux/{node} (`docker build --platform linux/{node}`, FROM an image for {node}) and "
+        "convert it again, or run the task on a partition of nodes of its architecture"
+    )
 
 
 def write_image_config(sif: Path, config: dict[str, Any]) -> None:

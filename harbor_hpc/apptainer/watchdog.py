@@ -1,10 +1,14 @@
-"""The memory watchdog: kills a container whose process tree outgrows the task's memory.
+"""The memory watchdog: holds a container to the task's memory as Docker's cgroup does.
 
 Apptainer on clusters rarely has cgroups to enforce `memory_mb`, and a container
 that eats the node's memory takes its neighbours down with it. The watchdog sums
 PSS (shared pages split between their users, so the container is not charged for
-the host's libraries) over the container's whole process tree and kills the tree
-once the sum passes the threshold.
+the host's libraries) over the container's whole process tree, and once the sum passes the
+threshold it does what the kernel's OOM killer does in a Docker container's memory cgroup: it
+kills the task's biggest process (never our server or Apptainer's processes), and the task
+goes on, as under Docker the agent goes on after its `python3` was killed. Only where that
+is not enough (the memory is held by files in the container's tmpfs mounts, or by no process
+of the task's) does it kill the whole tree.
 
 Files in the container's tmpfs mounts (/dev/shm, /dev) are RAM as well, charged to no process:
 the watchdog adds what those file systems hold, read through descriptors that the in-container
@@ -36,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
@@ -69,6 +74,28 @@ class MemoryBreach:
             f"{-(-self.peak_bytes // MB)} MB ({where}), over the kill threshold of "
             f"{self.threshold_bytes // MB} MB for the task's memory limit of "
             f"{self.limit_bytes // MB} MB"
+        )
+
+
+@dataclass(frozen=True)
+class OomKill:
+    """A process of the task's the watchdog killed, as the kernel's OOM killer would have."""
+
+    pid: int
+    command: str
+    process_bytes: int
+    container_bytes: int
+    threshold_bytes: int
+    limit_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"out of memory: killed process {self.pid} ({self.command}) of "
+            f"{-(-self.process_bytes // MB)} MB, the biggest of the task's, when the container "
+            f"reached {-(-self.container_bytes // MB)} MB (PSS), over the kill threshold of "
+            f"{self.threshold_bytes // MB} MB for the task's memory limit of "
+            f"{self.limit_bytes // MB} MB, as the kernel's OOM killer does under Docker; the "
+            "task goes on"
         )
 
 
@@ -331,7 +358,10 @@ class MemoryWatchdog:
     """Watches the process tree under `root_pid` from the process's shared watchdog thread;
     see the module docstring.
 
-    `on_breach` is called from that thread after the tree was killed.
+    `servers` gives the pids of the containers' command servers: their descendants are the
+    task's processes, which an overrun kills one at a time, biggest first (`on_kill` is called
+    from the thread after each); without it, or where killing the task's biggest process would
+    not bring the tree under the threshold, the whole tree is killed and `on_breach` called.
     """
 
     def __init__(
@@ -343,6 +373,8 @@ class MemoryWatchdog:
         interval_sec: float = 0.05,
         tmpfs_paths: tuple[str, ...] = (),
         on_breach: Callable[[MemoryBreach], None] | None = None,
+        servers: Callable[[], list[int]] | None = None,
+        on_kill: Callable[[OomKill], None] | None = None,
     ) -> None:
         self.root_pid = root_pid
         # Further trees counted with it (`add_root`).
@@ -352,6 +384,9 @@ class MemoryWatchdog:
         self.threshold_bytes = int(limit_bytes * kill_fraction)
         self.interval_sec = interval_sec
         self.breach: MemoryBreach | None = None
+        self.kills: list[OomKill] = []
+        self._servers = servers
+        self._on_kill = on_kill
         self.checks = 0  # how often the tree's memory was summed
         self._on_breach = on_breach
         # A handle that knows the root's start time: a pid reused after it ended is not it.
@@ -399,9 +434,12 @@ class MemoryWatchdog:
         self._memory = rss + in_tmpfs
         if self._memory <= self.threshold_bytes:
             return None
-        pss = sum(pss_bytes(pid) for pid in tree)
+        sizes = {pid: pss_bytes(pid) for pid in tree}
+        pss = sum(sizes.values())
         self._memory = pss + in_tmpfs
         if self._memory <= self.threshold_bytes:
+            return None
+        if self._kill_biggest(sizes):
             return None
         # Recorded before the kill: whoever sees the container die asks for the reason.
         self.breach = MemoryBreach(
@@ -410,6 +448,35 @@ class MemoryWatchdog:
         for root in (self.root_pid, *self.other_roots):
             kill_processes(tree_processes(root))
         return self.breach
+
+    def _kill_biggest(self, sizes: dict[int, int]) -> bool:
+        """Kill the task's biggest process where that brings the container under the
+        threshold (what Docker's OOM killer would end); whether it did."""
+        if self._servers is None:
+            return False
+        servers = self._servers()
+        task = {pid for server in servers for pid in process_tree(server)} - set(servers)
+        candidates = [(size, pid) for pid, size in sizes.items() if pid in task]
+        if not candidates:
+            return False
+        size, pid = max(candidates)
+        if self._memory is None or self._memory - size > self.threshold_bytes:
+            return False
+        try:
+            victim = psutil.Process(pid)
+            command = " ".join(" ".join(victim.cmdline()).split())[:120] or victim.name()
+            victim.kill()
+        except psutil.Error:
+            return True  # it ended meanwhile: look again at the next tick
+        kill = OomKill(pid, command, size, self._memory, self.threshold_bytes, self.limit_bytes)
+        self.kills.append(kill)
+        if self._on_kill is not None:
+            self._on_kill(kill)
+        # Its pages are freed as it exits: gone (or a zombie) before the next look, which would
+        # otherwise count them still and kill another.
+        wait_gone([victim], 2.0)
+        self._memory = None
+        return True
 
     def tick(self, now: float, allocated: int | None) -> bool:
         """One tick of the shared thread: check the tree if it may have reached the threshold
@@ -435,14 +502,23 @@ class MemoryWatchdog:
         return False
 
 
+class _Watched(Protocol):
+    """What the shared thread ticks: a memory watchdog, or a disk one (DiskWatchdog)."""
+
+    interval_sec: float
+    next_tick: float
+
+    def tick(self, now: float, allocated: int | None) -> bool: ...
+
+
 class _SharedThread:
-    """The one thread that runs every started MemoryWatchdog of the process: N environments
+    """The one thread that runs every started watchdog of the process: N environments
     cost one wake-up and one read of the allocation counter per tick, not N threads polling.
     With nothing to watch it sleeps until a watchdog starts."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._watchdogs: list[MemoryWatchdog] = []
+        self._watchdogs: list[_Watched] = []
         self._thread: threading.Thread | None = None
         # A child forked while the thread held the lock would wait for it forever, and the
         # parent's trees are not the child's to watch.
@@ -453,7 +529,7 @@ class _SharedThread:
         self._watchdogs = []
         self._thread = None
 
-    def add(self, watchdog: MemoryWatchdog) -> None:
+    def add(self, watchdog: _Watched) -> None:
         with self._changed:
             watchdog.next_tick = 0.0
             self._watchdogs.append(watchdog)
@@ -464,7 +540,7 @@ class _SharedThread:
                 self._thread.start()
             self._changed.notify()
 
-    def remove(self, watchdog: MemoryWatchdog) -> None:
+    def remove(self, watchdog: _Watched) -> None:
         with self._changed:
             if watchdog in self._watchdogs:
                 self._watchdogs.remove(watchdog)
@@ -496,3 +572,152 @@ class _SharedThread:
 
 
 _SHARED = _SharedThread()
+
+
+# The disk a task's writes may take beyond its storage_mb before the next process that writes
+# is killed too: room for what the verifier writes after a kill (its reward, its logs).
+DISK_SLACK_BYTES = 16 * MB
+
+
+@dataclass(frozen=True)
+class DiskKill:
+    """A process of the task's the disk watchdog killed: the one that wrote most since the
+    last look, when the container's disk passed the task's storage_mb."""
+
+    pid: int
+    command: str
+    written_bytes: int
+    disk_bytes: int
+    limit_bytes: int
+
+    def describe(self) -> str:
+        return (
+            f"out of disk: killed process {self.pid} ({self.command}), which wrote "
+            f"{-(-self.written_bytes // MB)} MB, when the container's files reached "
+            f"{-(-self.disk_bytes // MB)} MB, over the task's storage_mb of "
+            f"{self.limit_bytes // MB} MB; the task goes on"
+        )
+
+
+def folder_bytes(folder: str) -> int:
+    """The disk the files under `folder` take (allocated blocks; folders it may not read, such
+    as a container user's private ones, count as empty)."""
+    total, pending = 0, [folder]
+    while pending:
+        with contextlib.suppress(OSError), os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    stat = entry.stat(follow_symlinks=False)
+                    total += stat.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+    return total
+
+
+def written_bytes(pid: int) -> int | None:
+    """What process `pid` has written to storage (/proc/PID/io's write_bytes), None when gone."""
+    try:
+        for line in _read(f"/proc/{pid}/io").splitlines():
+            if line.startswith(b"write_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class DiskWatchdog:
+    """Holds a container's files (everything under `folder`: its root's upper, its staging
+    folder) to the task's storage_mb, so that one task cannot fill a node's scratch disk: once
+    they pass it, the task's process that wrote most since the last look is killed (the task
+    goes on, as a `dd` that met a full disk does), and another only once the files grew by
+    DISK_SLACK_BYTES more. `servers` gives the containers' command servers, whose descendants
+    are the task's processes.
+
+    Like the memory watchdog, it runs in the shared thread and looks cheaply first: the files
+    are summed (a walk of the upper) only once the scratch file system's own use grew by the
+    headroom left below the limit since the last sum, or RECHECK_SEC passed."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        limit_bytes: int,
+        servers: Callable[[], list[int]],
+        on_kill: Callable[[DiskKill], None] | None = None,
+        interval_sec: float = 0.1,
+    ) -> None:
+        self.folder = str(folder)
+        self.limit_bytes = limit_bytes
+        self.interval_sec = interval_sec
+        self.next_tick = 0.0
+        self.kills: list[DiskKill] = []
+        self.checks = 0
+        self._servers = servers
+        self._on_kill = on_kill
+        self._usage: int | None = None
+        self._fs_used_at = 0
+        self._checked_at = 0.0
+        self._killed_at = 0  # the files' size at the last kill
+        self._written: dict[int, int] = {}  # each task process's write_bytes at the last look
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self) -> None:
+        _SHARED.add(self)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        _SHARED.remove(self)
+
+    def _fs_used(self) -> int | None:
+        try:
+            fs = os.statvfs(self.folder)
+        except OSError:
+            return None
+        return (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+
+    def tick(self, now: float, allocated: int | None) -> bool:
+        with self._lock:
+            if self._stopped:
+                return False
+            fs_used = self._fs_used()
+            if fs_used is None:
+                return False  # the folder is gone: the container ended
+            if (
+                self._usage is not None
+                and now < self._checked_at + RECHECK_SEC
+                and fs_used - self._fs_used_at < self.limit_bytes - self._usage
+            ):
+                return True
+            self._fs_used_at, self._checked_at = fs_used, now
+            kill = self.check()
+        if kill is not None and self._on_kill is not None:
+            self._on_kill(kill)
+        return True
+
+    def check(self) -> DiskKill | None:
+        """Sum the files; over the limit, kill the task's biggest writer since the last look."""
+        self.checks += 1
+        usage = folder_bytes(self.folder)
+        self._usage = usage
+        servers = self._servers()
+        task = {pid for server in servers for pid in process_tree(server)} - set(servers)
+        written = {pid: size for pid in task if (size := written_bytes(pid)) is not None}
+        grown = {pid: size - self._written.get(pid, 0) for pid, size in written.items()}
+        self._written = written
+        if usage <= self.limit_bytes or usage < self._killed_at + DISK_SLACK_BYTES:
+            return None
+        size, pid = max(((size, pid) for pid, size in grown.items()), default=(0, 0))
+        if size <= 0:
+            return None
+        try:
+            victim = psutil.Process(pid)
+            command = " ".join(" ".join(victim.cmdline()).split())[:120] or victim.name()
+            victim.kill()
+        except psutil.Error:
+            return None
+        self._killed_at = usage
+        kill = DiskKill(pid, command, size, usage, self.limit_bytes)
+        self.kills.append(kill)
+        return kill

@@ -49,7 +49,10 @@ if TYPE_CHECKING:  # what a step needs loads when it runs: `--help` stays quick
 
 RunDirArgument = Annotated[
     Path,
-    typer.Argument(help="The run folder that `harbor-hpc submit` created.", show_default=False),
+    # Not click's readability check: a folder closed to this user is named by load_run.
+    typer.Argument(
+        help="The run folder that `harbor-hpc submit` created.", show_default=False, readable=False
+    ),
 ]
 WaitOption = Annotated[
     bool,
@@ -57,6 +60,15 @@ WaitOption = Annotated[
         "--wait",
         help="Follow the run with a live display until every trial has ended; then exit 1 "
         "when attempts failed (listed by failure class), 0 when all are done.",
+    ),
+]
+RerunChangedOption = Annotated[
+    bool,
+    typer.Option(
+        "--rerun-changed",
+        help="Into a run whose tasks changed since it ran them (instruction, task.toml, tests, "
+        "environment; the solution for the oracle): run every attempt of those tasks again, "
+        "where it is otherwise refused.",
     ),
 ]
 # `--wait` names this many failed attempts per failure class; `status` shows them all.
@@ -187,6 +199,16 @@ def submit(
             "nodes reach.",
         ),
     ] = False,
+    reward_key: Annotated[
+        str | None,
+        typer.Option(
+            "--reward-key",
+            help="The key of the verifier's reward.json that is each trial's reward. "
+            "[default: `reward`, else a lone value; several, none named `reward`: not "
+            "trainable; config: reward_key]",
+        ),
+    ] = None,
+    rerun_changed: RerunChangedOption = False,
     wait: WaitOption = False,
     json: JsonOption = False,
     dry_run: DryRunOption = False,
@@ -198,7 +220,8 @@ def submit(
     Apptainer environment. Trials land in RUN_DIR/trials as standard Harbor trial folders
     (`harbor view RUN_DIR --jobs` shows them). Tasks whose image is missing are reported, not
     run. The same submit again into the same --run-dir continues that run: it queues only the
-    attempts that have no finished trial.
+    attempts that have no finished trial, and refuses tasks that changed since the run ran
+    them (--rerun-changed runs those again).
 
     Example: harbor-hpc submit tasks/ --agent oracle -c 2 -k 4 --wait \\
                  --run-dir runs/oracle
@@ -232,6 +255,8 @@ def submit(
         setup=setup_line,
         group_readable=group_readable,
         model_check=not no_model_check,
+        reward_key=reward_key,
+        rerun_changed=rerun_changed,
     )
     default_root = Path(config.pick("run_dir", None, "runs"))
     target = run_dir or default_root / time.strftime("%Y%m%d-%H%M%S")
@@ -247,10 +272,10 @@ def status(run_dir: RunDirArgument, json: JsonOption = False, verbose: VerboseOp
     """Where every task attempt of a run stands: pending, running, done (reward) or failed (why).
 
     Works while the run goes on and after; needs squeue for Slurm runs, not sacct. Failure
-    classes: image, environment, unsupported, setup, memory, timeout, verifier, agent,
-    infrastructure (resubmit those). Each failure's message follows the table, cut to one line;
-    -v shows its first 300 characters, wrapped, and the trial folder of every attempt (whose
-    exception.txt holds the rest).
+    classes: image, environment, unsupported, setup, memory, timeout (the agent's), verifier
+    (tests/test.sh, its time too), model, agent, infrastructure (resubmit those). Each
+    failure's message follows the table, cut to one line; -v shows its first 300 characters,
+    wrapped, and the trial folder of every attempt (whose exception.txt holds the rest).
 
     Example: harbor-hpc status runs/oracle -v
     """
@@ -287,6 +312,7 @@ def resubmit(
         bool,
         typer.Option("--failed", help="Also rerun attempts that failed (not only lost ones)."),
     ] = False,
+    rerun_changed: RerunChangedOption = False,
     wait: WaitOption = False,
     json: JsonOption = False,
     dry_run: DryRunOption = False,
@@ -295,14 +321,16 @@ def resubmit(
     """Rerun the attempts of a run that have no finished trial (dead jobs, lost results).
 
     With --failed, failed attempts too. Finished trials are kept and never run again; the new
-    trials go into the same run folder as a new submission.
+    trials go into the same run folder as a new submission. A task changed since the run ran
+    it (its instruction, task.toml, tests, environment) is refused, exit 2; with
+    --rerun-changed all its attempts run again and its old trials no longer count.
 
     Example: harbor-hpc resubmit runs/oracle --failed --wait
     """
     from harbor_hpc.steps.submit.launch import resubmit_run
 
     setup(verbose)
-    result = resubmit_run(run_dir, failed=failed, dry_run=dry_run)
+    result = resubmit_run(run_dir, failed=failed, dry_run=dry_run, rerun_changed=rerun_changed)
     if result.skipped:
         unqueued = sum(1 for s in result.skipped if (s.message or "").startswith(NOT_QUEUED))
         waits = f" ({unqueued} {NOT_QUEUED}: queued as your limits leave room)" if unqueued else ""
@@ -391,6 +419,12 @@ def _count(n: int, thing: str) -> str:
 
 
 def _show_submission(result: SubmitResult) -> None:
+    if result.rerun:
+        shown = ", ".join(result.rerun[:5]) + (
+            f" and {len(result.rerun) - 5} more" if len(result.rerun) > 5 else ""
+        )
+        verb = "would be run" if result.dry_run else "run"
+        info(f"{len(result.rerun)} task(s) changed since the run ran them, {verb} again: {shown}")
     if not result.units:
         info("nothing to submit")
         return

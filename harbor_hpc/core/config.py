@@ -38,12 +38,16 @@ KNOWN_KEYS: dict[str, type] = {
     "array_parallelism": int,
     "tasks_per_job": int,
     "concurrency": int,
+    # The key of the verifier's reward.json that is a trial's reward (`--reward-key`).
+    "reward_key": str,
     "nohttps": bool,
     # `build_args = ["NAME=VALUE"]`: `--build-arg` values every build gets (flags win per NAME).
     "build_args": list,
     # How .sif images are compressed: "zstd" (where the converting node can) or "gzip", which
     # every Apptainer reads (for nodes whose Apptainer is older than 1.4).
     "sif_compression": str,
+    # What starts the containers: "apptainer", "enroot" or "auto" (`runtime` of the environment).
+    "runtime": str,
     # `setup = ["module load apptainer"]`: shell lines every Slurm job of ours runs first.
     "setup": list,
 }

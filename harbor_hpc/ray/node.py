@@ -78,23 +78,27 @@ def job_memory_mb(env: Mapping[str, str]) -> int | None:
     return None
 
 
+# A Ray node's object store: what our environments send through it, files in chunks of
+# CHUNK_BYTES (one at a time each), 64 of them at once; Ray's own split (3/10 of the node)
+# would keep gigabytes from the environments for objects nobody sends.
+OBJECT_STORE_BYTES = 512 << 20
+
+
 def _memory_share() -> list[str]:
     """Each Ray node's share of the memory its Slurm node gives the job (its --mem, else the
-    machine's), split about as Ray splits a node's by default (7/10 for tasks and actors, 3/10
-    for objects): Ray would otherwise offer the machine's whole memory (where the job holds
-    less, it would place more than the job's cgroup allows), or, with several Ray nodes on one
-    Slurm node, each would offer all of it."""
+    machine's): the object store sized for what environments send (`OBJECT_STORE_BYTES`, or
+    3/10 of a smaller share), the rest for environments. Ray would otherwise offer the
+    machine's whole memory (where the job holds less, it would place more than the job's
+    cgroup allows), or, with several Ray nodes on one Slurm node, each would offer all of it,
+    and keep 3/10 of it for objects."""
     # A count, as `ray up` asks with --ntasks-per-node; anything else counts as one.
     value = os.environ.get("SLURM_NTASKS_PER_NODE", "1")
     tasks = int(value) if value.isdigit() else 1
     mem_mb = job_memory_mb(os.environ)
-    if tasks <= 1 and mem_mb is None:
-        return []
     total = mem_mb << 20 if mem_mb is not None else psutil.virtual_memory().total
-    return [
-        f"--memory={total * 7 // 10 // tasks}",
-        f"--object-store-memory={total * 3 // 10 // tasks}",
-    ]
+    share = total // max(1, tasks)
+    objects = min(share * 3 // 10, OBJECT_STORE_BYTES)
+    return [f"--memory={share - objects}", f"--object-store-memory={objects}"]
 
 
 def advertised_address(name: str | None) -> str | None:

@@ -12,8 +12,10 @@ names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's t
                     feature)
     setup           the task's setup.sh or healthcheck failed (fix the task)
     memory          the memory watchdog killed the container (raise memory_mb or fix the task)
-    timeout         the agent or the verifier ran out of time (raise timeouts or accept)
-    verifier        tests did not produce a usable reward (fix tests/test.sh)
+    timeout         the agent ran out of time (raise its timeout or accept: the policy's)
+    verifier        tests did not produce a usable reward (fix tests/test.sh), wrote several
+                    rewards and none the run reads (name it: `--reward-key`), or ran out of
+                    their time (raise [verifier] timeout_sec in task.toml)
     model           the model server failed the agent: unreachable, an unknown model, a refused
                     key, a rate limit, a request it rejected (fix the server or the settings)
     agent           the agent itself failed (anything else raised while it ran)
@@ -121,7 +123,8 @@ _CLASS_OF_EXCEPTION: dict[str, FailureClass] = {
     # harbor.trial.errors
     "AgentTimeoutError": FailureClass.TIMEOUT,
     "AgentSetupTimeoutError": FailureClass.TIMEOUT,
-    "VerifierTimeoutError": FailureClass.TIMEOUT,
+    # The verifier's time is the task's, never the policy's (Harbor: no valid reward).
+    "VerifierTimeoutError": FailureClass.VERIFIER,
     "EnvironmentStartTimeoutError": FailureClass.ENVIRONMENT,
     # Harbor's environments
     "HealthcheckError": FailureClass.SETUP,
@@ -175,10 +178,21 @@ def validity(exception_type: str, stored: dict[str, Any] | None = None) -> Error
     return policy_for(exception_type, override)
 
 
+# What a user reads for a failure whose own message does not say what to do: appended to it.
+_WHAT_TO_DO = {
+    "VerifierTimeoutError": (
+        "the task's tests/test.sh ran past its verifier timeout; raise [verifier] timeout_sec "
+        "in the task's task.toml, or make tests/test.sh faster (no reward, not trainable)"
+    ),
+}
+
+
 def short_message(exception_type: str, message: str) -> str:
     text = " ".join(message.split())
     if len(text) > MESSAGE_LIMIT:
         text = text[: MESSAGE_LIMIT - 3] + "..."
+    if todo := _WHAT_TO_DO.get(exception_type):
+        text = f"{text.rstrip('.')}: {todo}" if text else todo
     return f"{exception_type}: {text}" if text else exception_type
 
 
@@ -210,18 +224,52 @@ class Outcome:
         return self.valid and self.failure in (None, FailureClass.AGENT, FailureClass.TIMEOUT)
 
 
-def primary_reward(rewards: dict[str, float]) -> float | None:
-    """The one number to average: `reward` when present, a lone value, else the mean."""
-    if not rewards:
+# The key a verifier's reward.json names its one reward by when the run names none.
+REWARD_KEY = "reward"
+# How many of a reward.json's keys a message names.
+_KEYS_SHOWN = 8
+
+
+def primary_reward(rewards: dict[str, float], reward_key: str | None = None) -> float | None:
+    """The one reward a trainer learns from (docs/results.md, "Which reward"): the value of
+    `reward_key` when the run names one; else the value named `reward`; else a lone value; else
+    none (several values, none of them `reward`: `reward_problem` says why)."""
+    key = reward_key or REWARD_KEY
+    if key in rewards:
+        return float(rewards[key])
+    if reward_key is None and len(rewards) == 1:
+        return float(next(iter(rewards.values())))
+    return None
+
+
+def reward_problem(rewards: dict[str, float], reward_key: str | None = None) -> str | None:
+    """Why the verifier's `rewards` give no primary reward (`primary_reward`), naming the keys
+    it wrote and what to do; None when they give one, or are empty (no reward at all)."""
+    if not rewards or primary_reward(rewards, reward_key) is not None:
         return None
-    if "reward" in rewards:
-        return float(rewards["reward"])
-    values = list(rewards.values())
-    return float(values[0]) if len(values) == 1 else sum(values) / len(values)
+    keys = sorted(rewards)
+    found = ", ".join(keys[:_KEYS_SHOWN]) + (
+        f" and {len(keys) - _KEYS_SHOWN} more" if len(keys) > _KEYS_SHOWN else ""
+    )
+    if reward_key is not None:
+        return (
+            f"no reward named {reward_key!r} (the run's reward key): the verifier wrote "
+            f"{found}; fix the task's tests, or submit to a new run folder with another "
+            "--reward-key"
+        )
+    return (
+        f"no primary reward: the verifier wrote {len(keys)} rewards ({found}) and none named "
+        f"{REWARD_KEY!r}; name the one to train on (--reward-key {keys[0]}, reward_key= in "
+        f"Python) or have the task's tests write a {REWARD_KEY!r} key"
+    )
 
 
 def outcome_of_result(
-    result: dict[str, Any], limits: Sequence[str] = (), calls: ModelCalls | None = None
+    result: dict[str, Any],
+    limits: Sequence[str] = (),
+    calls: ModelCalls | None = None,
+    *,
+    reward_key: str | None = None,
 ) -> Outcome:
     """Classify a parsed result.json (Harbor's TrialResult as JSON), given what the trial's
     folder says of its container's limits (apptainer/limits.py) and of its model calls
@@ -236,9 +284,11 @@ def outcome_of_result(
       the image's (`image`);
     - a write refused while its scratch disk was full, and the trial failed or scored below 1:
       `infrastructure`, whatever failed then (the agent's write, the verifier's upload);
-    - no reward at all: none to learn from (its failure stands).
+    - no reward at all: none to learn from (its failure stands);
+    - rewards but no primary one (`primary_reward` with the run's `reward_key`): `verifier`,
+      naming the keys the verifier wrote.
     """
-    outcome = replace(_outcome_of_result(result), limits=tuple(limits))
+    outcome = replace(_outcome_of_result(result, reward_key), limits=tuple(limits))
     full = next((limit for limit in limits if limit.startswith(DISK_FULL_PREFIX)), None)
     if full is not None and (outcome.failure is not None or not (outcome.reward or 0) >= 1):
         # Whatever then failed (the agent's write, the verifier's upload) failed for the node.
@@ -254,9 +304,12 @@ def outcome_of_result(
     return outcome
 
 
-def outcome_of_trial(trial_dir: Path, result: dict[str, Any]) -> Outcome:
-    """`outcome_of_result` with what `trial_dir` says of the trial's limits and model calls."""
-    return outcome_of_result(result, read_limits(trial_dir), read_calls(trial_dir))
+def outcome_of_trial(trial_dir: Path, result: dict[str, Any], *, reward_key: str | None) -> Outcome:
+    """`outcome_of_result` with what `trial_dir` says of the trial's limits and model calls,
+    its reward read by the run's `reward_key` (None: the default rule)."""
+    return outcome_of_result(
+        result, read_limits(trial_dir), read_calls(trial_dir), reward_key=reward_key
+    )
 
 
 # What a shell says of a program the image lacks (bash: `tmux: command not found`, dash:
@@ -323,9 +376,10 @@ def rewards_of(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _outcome_of_result(result: dict[str, Any]) -> Outcome:
+def _outcome_of_result(result: dict[str, Any], reward_key: str | None) -> Outcome:
     rewards = rewards_of(result)
-    reward = primary_reward(rewards)
+    reward = primary_reward(rewards, reward_key)
+    problem = reward_problem(rewards, reward_key)
     info = result.get("exception_info")
     if info:
         exception_type = str(info.get("exception_type") or "Exception")
@@ -333,5 +387,11 @@ def _outcome_of_result(result: dict[str, Any]) -> Outcome:
         agent_started = bool(result.get("agent_setup") or result.get("agent_execution"))
         failure = failure_class(exception_type, agent_started=agent_started)
         policy = validity(exception_type, info.get("policy_override"))
+        if problem is not None and policy.has_valid_reward:
+            # The reward would have stood but for the verifier's keys: that is what to fix.
+            return Outcome(FailureClass.VERIFIER, f"{problem} (the trial also ended {message})",
+                           None, rewards, False)  # fmt: skip
         return Outcome(failure, message, reward, rewards, policy.has_valid_reward)
+    if problem is not None:
+        return Outcome(FailureClass.VERIFIER, problem, None, rewards, False)
     return Outcome(None, None, reward, rewards, True)

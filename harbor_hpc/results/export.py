@@ -101,7 +101,7 @@ def iter_rollouts(
     verdicts = group_verdicts(record, statuses if groups is None else groups)
     counted = {s.trial: s for s in statuses if s.trial is not None}
     attempts = {(s.task, s.attempt) for s in statuses}
-    trials = trials or RunTrials(run_dir)
+    trials = trials or RunTrials(run_dir, reward_key=record.reward_key)
 
     def line(marker: Marker) -> Rollout | None:
         trial_dir = paths.trial(marker.trial)
@@ -121,7 +121,7 @@ def iter_rollouts(
             )
         else:
             outcome = trials.noted(marker.trial) or trial_outcome(
-                marker, outcome_of_trial(trial_dir, result)
+                marker, outcome_of_trial(trial_dir, result, reward_key=record.reward_key)
             )
         return rollout(
             record,

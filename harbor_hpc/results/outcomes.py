@@ -13,11 +13,12 @@ its folder sealed: nothing of ours writes them again):
 The index is a cache that is never trusted further than this: a reader takes an entry only when
 its line is whole (one that a killed worker half wrote is skipped), when it was made by the
 rules this reader would apply (`rules`: the code that decides an outcome and Harbor's error
-policy), when the trial's marker and folder are still there, and when no other entry says
-otherwise of the same trial. Every other trial (those still running, those of a worker killed
-before its note, those of runs made before the index) is read from its folder, as it always
-was, many folders at once. So deleting `outcomes/` loses nothing but time. A trial's files
-changed by hand after it ended are not noticed while its entry stands: delete `outcomes/` then.
+policy; and the run's reward key), when the trial's marker and folder are still there, and when
+no other entry says otherwise of the same trial. Every other trial (those still running, those
+of a worker killed before its note, those of runs made before the index) is read from its
+folder, as it always was, many folders at once. So deleting `outcomes/` loses nothing but time.
+A trial's files changed by hand after it ended are not noticed while its entry stands: delete
+`outcomes/` then.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from harbor_hpc.results.record import Marker, RunPaths, read_marker, run_umask
 SCHEMA = "harbor-hpc/outcome/v1"
 
 
-def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
+def read_outcome(run_dir: Path, reward_key: str | None, marker: Marker) -> Outcome | None:
     """The trial's outcome when it has ended (result.json, or a failure before Harbor began),
-    from its folder."""
+    from its folder; its reward read by the run's `reward_key`."""
     trial_dir = RunPaths(run_dir).trial(marker.trial)
     try:
         result = read_json(trial_dir / "result.json")
@@ -64,7 +65,7 @@ def read_outcome(run_dir: Path, marker: Marker) -> Outcome | None:
         failure = failure_class(marker.error_type, agent_started=False)
         limits = tuple(read_limits(trial_dir))
         return trial_outcome(marker, Outcome(failure, message, None, {}, limits=limits))
-    return trial_outcome(marker, outcome_of_trial(trial_dir, result))
+    return trial_outcome(marker, outcome_of_trial(trial_dir, result, reward_key=reward_key))
 
 
 def trial_outcome(marker: Marker, outcome: Outcome) -> Outcome:
@@ -101,9 +102,16 @@ def rules() -> str:
     return digest.hexdigest()[:16]
 
 
-def note_outcome(run_dir: Path, marker: Marker, outcome: Outcome, *, group_readable: bool) -> None:
+def note_outcome(
+    run_dir: Path,
+    marker: Marker,
+    outcome: Outcome,
+    *,
+    group_readable: bool,
+    reward_key: str | None,
+) -> None:
     """Append the trial's entry to this worker's file of the index: one line, in one write
-    (O_APPEND), to a file no other process writes."""
+    (O_APPEND), to a file no other process writes; `reward_key`: the one it was read by."""
     mask = run_umask(group_readable)
     folder = RunPaths(run_dir).outcomes
     folder.mkdir(mode=0o777 & ~mask, exist_ok=True)
@@ -111,6 +119,7 @@ def note_outcome(run_dir: Path, marker: Marker, outcome: Outcome, *, group_reada
     entry = {
         "schema": SCHEMA,
         "rules": rules(),
+        "reward_key": reward_key,
         "marker": asdict(marker),
         "outcome": asdict(outcome),
     }
@@ -136,9 +145,9 @@ def _outcome_of(data: dict[str, Any]) -> Outcome:
     )
 
 
-def _entries(run_dir: Path) -> dict[str, tuple[Marker, Outcome]]:
-    """The index's entries that hold, by trial: whole lines of these rules; a trial that two
-    entries tell apart is left out."""
+def _entries(run_dir: Path, reward_key: str | None) -> dict[str, tuple[Marker, Outcome]]:
+    """The index's entries that hold, by trial: whole lines of these rules and this reward key;
+    a trial that two entries tell apart is left out."""
     folder = RunPaths(run_dir).outcomes
     try:
         names = sorted(name for name in os.listdir(folder) if name.endswith(".jsonl"))
@@ -151,7 +160,11 @@ def _entries(run_dir: Path) -> dict[str, tuple[Marker, Outcome]]:
         for line in data.split(b"\n")[:-1]:  # after the last newline: a line not yet whole
             try:
                 entry = json.loads(line)
-                if entry["schema"] != SCHEMA or entry["rules"] != key:
+                if (
+                    entry["schema"] != SCHEMA
+                    or entry["rules"] != key
+                    or entry.get("reward_key") != reward_key
+                ):
                     continue
                 marker = Marker(**entry["marker"])
                 outcome = _outcome_of(entry["outcome"])
@@ -173,17 +186,19 @@ def _read_or_nothing(path: Path) -> bytes:
 
 class RunTrials:
     """Every trial of a run, as its markers say (oldest first), and what the ended ones came
-    to: from the outcomes index where it holds them, else from their folders."""
+    to: from the outcomes index where it holds them, else from their folders, each reward read
+    by the run's `reward_key` (`RunRecord.reward_key`)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, *, reward_key: str | None) -> None:
         paths = RunPaths(run_dir)
         self.run_dir = run_dir
+        self.reward_key = reward_key
         try:
             names = os.listdir(paths.markers)
             marked = [name.removesuffix(".json") for name in names if name.endswith(".json")]
         except OSError:
             marked = []
-        entries = _entries(run_dir) if marked else {}
+        entries = _entries(run_dir, reward_key) if marked else {}
         if entries:  # an entry stands for a trial whose marker and folder are still there
             try:
                 there = set(marked).intersection(os.listdir(paths.trials))
@@ -203,7 +218,7 @@ class RunTrials:
         unread = [m for m in listed if m.trial not in self._noted]
         read = dict(zip(
             (m.trial for m in unread),
-            read_in_threads(functools.partial(read_outcome, self.run_dir), unread),
+            read_in_threads(functools.partial(read_outcome, self.run_dir, self.reward_key), unread),
             strict=True,
         ))  # fmt: skip
         return [self._noted.get(m.trial) or read.get(m.trial) for m in listed]

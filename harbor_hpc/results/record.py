@@ -3,6 +3,8 @@
 Layout of a run folder:
 
     run.json              what was asked for: tasks, agent, model, options, every submission
+    task-hashes.json      each task's digest as the run last ran it (tasks/digest.py): a changed
+                          task is refused or run again, never answered from its old trials
     trials/<trial>/       standard Harbor trial folders (result.json, trial.log, agent/, verifier/),
                           so `harbor view RUN_DIR --jobs` shows them as the job `trials`
     markers/<trial>.json  written by the worker when it starts a trial: task, attempt, job, host
@@ -29,7 +31,10 @@ through `update_run` (lock, re-read, change, atomic write). Markers have one wri
 from __future__ import annotations
 
 import contextlib
+import getpass
+import json
 import os
+import pwd
 import secrets
 import stat
 from collections.abc import Iterator
@@ -122,6 +127,9 @@ class RunRecord:
     # Tasks that could not be submitted because their image is missing, with the reason.
     image_problems: dict[str, str] = field(default_factory=dict)
     submissions: list[Submission] = field(default_factory=list)
+    # Tasks run again because they changed (`--rerun-changed`): the first submission whose
+    # trials of the task count; earlier trials answer for the task as it was.
+    rerun_from: dict[str, int] = field(default_factory=dict)
     created_at: str = ""
     updated_at: str = ""
 
@@ -134,13 +142,25 @@ class RunRecord:
         value: int = self.options.get("attempts", 1)
         return value
 
+    @property
+    def reward_key(self) -> str | None:
+        """The key of the verifier's rewards that is the trial's reward (`--reward-key`); None:
+        `reward`, else a lone value (classify.primary_reward)."""
+        value = self.options.get("reward_key")
+        return None if value is None else str(value)
+
     def differences(self, other: RunRecord) -> list[str]:
         """What `other` would run differently: the fields that define a run's trials."""
         fields = (
             *("tasks_root", "tasks", "agent", "model", "agent_kwargs", "agent_env"),
-            *("environment", "environment_kwargs", "attempts"),
+            *("environment", "environment_kwargs", "attempts", "reward_key"),
         )
         return [name for name in fields if getattr(self, name) != getattr(other, name)]
+
+    def counts(self, task: str, submission: int) -> bool:
+        """Whether a trial of `task` made by submission number `submission` answers for the
+        task as it is (not one run before the task changed and was run again)."""
+        return submission >= self.rerun_from.get(task, 0)
 
     def units(self) -> list[Unit]:
         return [Unit(task, k) for task in self.tasks for k in range(self.attempts)]
@@ -162,6 +182,7 @@ class RunRecord:
             "environment_kwargs": self.environment_kwargs,
             "options": self.options,
             "image_problems": self.image_problems,
+            "rerun_from": self.rerun_from,
             "submissions": [
                 {
                     **{k: v for k, v in asdict(sub).items() if k != "chunks"},
@@ -221,6 +242,7 @@ class RunRecord:
                 options=dict(data["options"]),
                 image_problems=dict(data.get("image_problems", {})),
                 submissions=submissions,
+                rerun_from={str(k): int(v) for k, v in data.get("rerun_from", {}).items()},
                 created_at=str(data.get("created_at", "")),
                 updated_at=str(data.get("updated_at", "")),
             )
@@ -239,6 +261,11 @@ class RunPaths:
     @property
     def lock(self) -> Path:
         return self.root / f".{RUN_FILE}.lock"
+
+    @property
+    def task_hashes(self) -> Path:
+        """Each task's digest as the run last ran it (`read_task_hashes`)."""
+        return self.root / "task-hashes.json"
 
     @property
     def submit_lock(self) -> Path:
@@ -280,11 +307,75 @@ class RunPaths:
         return self.markers / f"{trial}.json"
 
 
+def _owner(path: Path) -> str:
+    try:
+        uid = path.stat().st_uid
+    except OSError:
+        return "another user"
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}'s"
+    except KeyError:
+        return f"uid {uid}'s"
+
+
+def _mode(path: Path) -> str:
+    try:
+        return f" (mode {stat.S_IMODE(path.stat().st_mode):04o})"
+    except OSError:
+        return ""
+
+
+def run_folder_problem(run_dir: Path, *, write: bool) -> tuple[Path, str] | None:
+    """The folder that keeps this user from reading (`write`: making or writing) the run folder
+    `run_dir`, and what they may not do there; None when nothing on the way is closed to them:
+    the first folder down to it (itself included) they may not enter, else, with `write`, the
+    one it would be made in, or itself, where they may not write."""
+    nearest = None
+    for folder in [*reversed(run_dir.parents), run_dir]:
+        if not os.access(folder, os.F_OK):
+            break
+        nearest = folder
+        if not os.access(folder, os.X_OK):
+            return folder, "enter it"
+    if write and nearest is not None and not os.access(nearest, os.W_OK):
+        if nearest == run_dir:
+            return run_dir, "write it"
+        return nearest, f"make {run_dir.relative_to(nearest)} in it"
+    return None
+
+
+def check_run_folder(run_dir: Path, *, write: bool) -> None:
+    """Refuse, in one line, a run folder this user may not read (`write`: make or write),
+    naming the folder in the way (`run_folder_problem`), whose it is, and what to do."""
+    found = run_folder_problem(run_dir, write=write)
+    if found is None:
+        return
+    folder, how = found
+    if not write and folder == run_dir:
+        raise InputError(
+            f"{run_dir}: you may not read this run folder (it is {_owner(run_dir)}"
+            f"{_mode(run_dir).replace(' (', ', ').rstrip(')')}; you are {getpass.getuser()})",
+            hint="runs are private to who submitted them; ask the owner for --group-readable",
+        )
+    if write:
+        hint = (
+            "pick a --run-dir in a folder of your own (runs/NAME), or ask its owner to let you in"
+        )
+    else:
+        hint = f"ask its owner to let you into {folder}, or pass a run folder you may read"
+    raise InputError(
+        f"{run_dir}: {folder} is {_owner(folder)}{_mode(folder)} and you "
+        f"({getpass.getuser()}) may not {how}",
+        hint=hint,
+    )
+
+
 def load_run(run_dir: Path) -> RunRecord:
     paths = RunPaths(run_dir)
     try:
         paths.record.stat()
     except PermissionError:
+        check_run_folder(run_dir, write=False)  # the folder in the way, named
         raise InputError(
             f"{run_dir}: you may not read this run folder (its owner's, or private to them)",
             hint="runs are private to who submitted them; ask the owner for --group-readable",
@@ -363,6 +454,40 @@ def create_run(run_dir: Path, record: RunRecord) -> None:
             )
         record.created_at = now_iso()
         save_run(run_dir, record)
+
+
+TASK_HASHES_SCHEMA = "harbor-hpc/task-hashes/v1"
+
+
+def read_task_hashes(run_dir: Path) -> dict[str, dict[str, str]]:
+    """Each task's digest (tasks/digest.py) as the run recorded it; {} for a run made before
+    runs recorded them, or a file that is not ours (then nothing is compared, and what is
+    there now is recorded)."""
+    path = RunPaths(run_dir).task_hashes
+    if not path.exists():
+        return {}
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("schema") != TASK_HASHES_SCHEMA:
+        return {}
+    tasks = data.get("tasks")
+    if not isinstance(tasks, dict):
+        return {}
+    return {
+        str(task): {str(k): str(v) for k, v in digest.items()}
+        for task, digest in tasks.items()
+        if isinstance(digest, dict)
+    }
+
+
+def record_task_hashes(run_dir: Path, digests: dict[str, dict[str, str]]) -> None:
+    """Record `digests` over those of the same tasks, under the run's lock, atomically."""
+    if not digests:
+        return
+    with file_lock(RunPaths(run_dir).lock):
+        tasks = {**read_task_hashes(run_dir), **digests}
+        data = {"schema": TASK_HASHES_SCHEMA, "tasks": tasks}
+        # Compact: a run of 10,000 tasks holds 60,000 hashes.
+        atomic_write_text(RunPaths(run_dir).task_hashes, json.dumps(data) + "\n")
 
 
 def cancel_submissions(run_dir: Path) -> int:

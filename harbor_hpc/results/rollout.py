@@ -316,10 +316,13 @@ def _read_instruction(path: Path, mtime_ns: int, size: int) -> str | None:
     return text
 
 
-def _step_record(task_dir: Path, trial_dir: Path, step: dict[str, Any]) -> dict[str, Any]:
-    """One step's part of the line: a StepResult is classified as a trial's result is."""
+def _step_record(
+    task_dir: Path, trial_dir: Path, step: dict[str, Any], reward_key: str | None
+) -> dict[str, Any]:
+    """One step's part of the line: a StepResult is classified as a trial's result is, its
+    reward read by the run's `reward_key`."""
     name = str(step.get("step_name"))
-    outcome = outcome_of_result(step)
+    outcome = outcome_of_result(step, reward_key=reward_key)
     trajectory = trial_dir / "steps" / name / TRAJECTORY
     return {
         "name": name,
@@ -436,7 +439,7 @@ def rollout(
         "message": outcome.message,
         "environment_limits": list(outcome.limits),
         "instruction": None if steps else _instruction(task_dir / "instruction.md"),
-        "steps": [_step_record(task_dir, trial_dir, s) for s in steps]
+        "steps": [_step_record(task_dir, trial_dir, s, record.reward_key) for s in steps]
         if steps and trial_dir is not None
         else None,
         "agent": agent_info.get("name") or record.agent,
@@ -458,10 +461,13 @@ def rollout(
     return Rollout(line, turns, found, sum(run.llm_turns for run in runs))
 
 
-def trial_rollout(trial_dir: Path, task_dir: Path, *, attempt: int = 0) -> dict[str, Any]:
+def trial_rollout(
+    trial_dir: Path, task_dir: Path, *, attempt: int = 0, reward_key: str | None = None
+) -> dict[str, Any]:
     """The rollout line `export` would write for one Harbor trial that ran outside a
     harbor-hpc run (a trainer's own `Trial`, on a Ray cluster say): from the trial's folder and
-    the task's. Raises `HarborHpcError` when the trial left no readable result.json."""
+    the task's, its reward the verifier's `reward_key` (None: `reward`, else a lone value).
+    Raises `HarborHpcError` when the trial left no readable result.json."""
     result = read_json(trial_dir / "result.json")
     agent_info = result.get("agent_info") or {}
     record = RunRecord(
@@ -472,7 +478,7 @@ def trial_rollout(trial_dir: Path, task_dir: Path, *, attempt: int = 0) -> dict[
         agent_kwargs={},
         environment="",
         environment_kwargs={},
-        options={},
+        options={"reward_key": reward_key},
     )
     return rollout(
         record,
@@ -480,7 +486,7 @@ def trial_rollout(trial_dir: Path, task_dir: Path, *, attempt: int = 0) -> dict[
         attempt=attempt,
         trial_dir=trial_dir,
         result=result,
-        outcome=(outcome := outcome_of_trial(trial_dir, result)),
+        outcome=(outcome := outcome_of_trial(trial_dir, result, reward_key=reward_key)),
         counts=True,
         group_trainable=outcome.trainable,
     ).line

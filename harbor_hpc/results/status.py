@@ -113,7 +113,7 @@ def attempt_statuses(
     mapping: with Slurm's reason while each pends, which a pending attempt says once its
     submission is WAIT_TOLD_S old); `trials` the run's trials, when the caller read them."""
     fates = _job_fates(record, alive)
-    trials = trials or RunTrials(run_dir)
+    trials = trials or RunTrials(run_dir, reward_key=record.reward_key)
     newest = latest_markers(trials.markers)
     cancelled = cancelled_through(run_dir)  # read once: every never-started attempt asks
     # A submit or resubmit queueing the run's jobs right now (its lock held): what it has not
@@ -124,7 +124,9 @@ def attempt_statuses(
     for unit in units:
         marker, fate = newest.get(unit), fates.get(unit)
         # A resubmission newer than the marker supersedes that trial: the unit runs again.
-        superseded = marker and fate and fate.submission.number > marker.submission
+        superseded = (marker and fate and fate.submission.number > marker.submission) or (
+            marker and not record.counts(unit.task, marker.submission)  # the task changed
+        )
         counted.append(None if superseded else marker)
     outcomes = iter(trials.outcomes(m for m in counted if m is not None))
     return [

@@ -445,6 +445,7 @@ def partitions(*, timeout: float = QUERY_TIMEOUT_S) -> Partitions:
 # States (sinfo's short names) of a node that can take a job now or soon; any other (down,
 # drain, fail, maint, powered off, not responding: a trailing `*`) is not asked.
 _TAKES_JOBS = frozenset({"idle", "mix", "alloc", "comp", "resv", "plnd", "boot"})
+_FLAGS = "*~#!%$@^-+"
 
 
 @dataclass(frozen=True)
@@ -470,7 +471,9 @@ def parse_partition_nodes(text: str, partition: str | None) -> PartitionNodes:
     if not mine:
         known = sorted({p.rstrip("*") for _n, _s, p in rows})
         raise InputError(f"partition {partition!r} has no nodes", hint="known: " + ", ".join(known))
-    asked = tuple(sorted({node for node, state in mine if state in _TAKES_JOBS}))
+    # sinfo marks a state with a flag: `idle*` a node that missed the controller's last ping
+    # (a busy one, often), `idle~` one powered down until a job needs it; the state is the word.
+    asked = tuple(sorted({node for node, state in mine if state.rstrip(_FLAGS) in _TAKES_JOBS}))
     others = tuple(sorted({node for node, _state in mine} - set(asked)))
     return PartitionNodes(partition, asked, others)
 

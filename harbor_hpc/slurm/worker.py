@@ -19,6 +19,10 @@ records `CancelledError`) and starts no more.
 litellm (terminus-2's model client) fetches its model cost map from the internet when it is
 first imported, unless LITELLM_LOCAL_MODEL_COST_MAP says to use the copy it ships: on a node
 without internet access every worker waited seconds for it (`use_local_cost_map`).
+
+The agent's variables (`agent_env`) are in the job's environment: an agent that runs here
+(terminus-2) finds them there, and only one that runs inside the container gets them there
+(secrets.py).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from harbor_hpc.results.record import (
     write_marker,
 )
 from harbor_hpc.results.status import latest_markers
+from harbor_hpc.slurm.secrets import redact_secrets_only, runs_in_container
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +77,14 @@ def use_local_cost_map() -> None:
 def agent_config_fields(record: RunRecord) -> dict[str, Any]:
     """Harbor's AgentConfig fields: a registered agent name, or `module:Class` for custom ones."""
     who = {"import_path": record.agent} if ":" in record.agent else {"name": record.agent}
-    # `${NAME}`: Harbor fills it in from this job's environment when the agent starts, and
-    # writes the template, never the value, into the trial's config.json.
-    env = {name: f"${{{name}}}" for name in record.agent_env}
-    return {**who, "model_name": record.model, "kwargs": record.agent_kwargs, "env": env}
+    fields: dict[str, Any] = {**who, "model_name": record.model, "kwargs": record.agent_kwargs}
+    if record.agent_env and runs_in_container(fields):
+        # `${NAME}`: Harbor fills it in from this job's environment when the agent starts, and
+        # writes the template, never the value, into the trial's config.json. An agent that
+        # runs here finds them in this process's environment, and the container never sees
+        # them (secrets.py).
+        fields["env"] = {name: f"${{{name}}}" for name in record.agent_env}
+    return fields
 
 
 def current_job_id() -> str | None:
@@ -109,7 +118,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
         if cancelled_through(run_dir) >= self.submission:
             return {"units": len(units), "ran": 0}
         record = load_run(run_dir)
-        todo = self.units_left(run_dir, [Unit.from_json(u) for u in units])
+        todo = self.units_left(run_dir, record, [Unit.from_json(u) for u in units])
         self._watch_termination()
         asyncio.run(self._run_all(run_dir, record, todo))
         if self.then is not None and self.terminated_by is None:
@@ -133,8 +142,8 @@ class ChunkWorker(submitit.helpers.Checkpointable):
 
         signal.signal(signal.SIGTERM, on_term)
 
-    def units_left(self, run_dir: Path, units: list[Unit]) -> list[Unit]:
-        trials = RunTrials(run_dir)
+    def units_left(self, run_dir: Path, record: RunRecord, units: list[Unit]) -> list[Unit]:
+        trials = RunTrials(run_dir, reward_key=record.reward_key)
         newest = latest_markers(trials.markers)
         markers = {unit: newest[unit] for unit in units if unit in newest}
         outcomes = dict(zip(markers, trials.outcomes(markers.values()), strict=True))
@@ -144,6 +153,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             finished_here = (
                 outcome is not None
                 and marker is not None
+                and record.counts(unit.task, marker.submission)  # not of a task since changed
                 and outcome.failure is not FailureClass.INFRASTRUCTURE
                 and (marker.submission == self.submission or outcome.state is AttemptState.DONE)
             )
@@ -207,6 +217,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
                 # Harbor's error policy knows our environment's failures by these names.
                 override_error_policy=error_policy_overrides(),
             )
+            redact_secrets_only()
             trial = await Trial.create(config)
             # Harbor has just made the trial's folders world-writable, for Docker's sake.
             seal(paths.trial(marker.trial), record.group_readable)
@@ -237,7 +248,13 @@ class ChunkWorker(submitit.helpers.Checkpointable):
     def _note(run_dir: Path, record: RunRecord, marker: Marker) -> None:
         """Note what the trial came to in the run's outcomes index, now that nothing writes its
         files any more; a trial that has not ended (Harbor wrote no result) is not noted."""
-        outcome = read_outcome(run_dir, marker)
+        outcome = read_outcome(run_dir, record.reward_key, marker)
         if outcome is not None:
             with contextlib.suppress(OSError):  # a cache: readers fall back on the folder
-                note_outcome(run_dir, marker, outcome, group_readable=record.group_readable)
+                note_outcome(
+                    run_dir,
+                    marker,
+                    outcome,
+                    group_readable=record.group_readable,
+                    reward_key=record.reward_key,
+                )

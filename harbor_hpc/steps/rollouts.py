@@ -118,6 +118,12 @@ class RolloutRequest:
     deadline_s: float | None = None
     # Ask the model server before the batch (False where only the compute nodes reach it).
     model_check: bool = True
+    # The key of the verifier's reward.json that is each trial's reward; None: `reward`, else
+    # a lone value; several and none of them `reward`: not trainable (docs/results.md).
+    reward_key: str | None = None
+    # Into a run_dir whose tasks changed since it ran them: run the changed tasks again
+    # rather than raise `TaskChangedError`.
+    rerun_changed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tasks", "run_dir"):
@@ -152,8 +158,17 @@ class RolloutRequest:
             raise InputError(
                 f"deadline_s must be a number of seconds above 0, not {self.deadline_s!r}"
             )
-        if not isinstance(self.model_check, bool):
-            raise InputError(f"model_check must be True or False, not {self.model_check!r}")
+        for name in ("model_check", "rerun_changed"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if self.reward_key is not None and (
+            not isinstance(self.reward_key, str) or not self.reward_key.strip()
+        ):
+            raise InputError(
+                f"reward_key must name a key of the verifier's reward.json, not "
+                f"{self.reward_key!r}",
+                hint='e.g. reward_key="correct", or None for `reward`',
+            )
         for name in ("agent_env", "setup", "sbatch_args"):
             value = getattr(self, name)
             if isinstance(value, str):  # each character would be one item
@@ -307,6 +322,8 @@ def follow_rollouts(
             attempts=request.attempts,
             concurrency=request.concurrency,
             model_check=request.model_check,
+            reward_key=request.reward_key,
+            rerun_changed=request.rerun_changed,
             require_images=True,
         )
         # One process (or element) runs `concurrency` trials at once.

@@ -56,7 +56,8 @@ def export(
 ) -> Export:
     """The run's rollouts into `out` in `fmt`, each marked whether it is the trial `status`
     counts."""
-    record, trials = load_run(run_dir), RunTrials(run_dir)
+    record = load_run(run_dir)
+    trials = RunTrials(run_dir, reward_key=record.reward_key)
     statuses = attempt_statuses(run_dir, record, live_jobs(record), trials)
     return export_run(run_dir, out, statuses, fmt=fmt, dry_run=dry_run, trials=trials)
 
@@ -161,7 +162,8 @@ def cancel_run(run_dir: Path) -> None:
     answer, end at once when they start). Finished trials stay as they are."""
     through = cancel_submissions(run_dir)
     record = load_run(run_dir)
-    started = {(m.submission, Unit(m.task, m.attempt)) for m in RunTrials(run_dir).markers}
+    trials = RunTrials(run_dir, reward_key=record.reward_key)
+    started = {(m.submission, Unit(m.task, m.attempt)) for m in trials.markers}
     waiting = [
         chunk.job
         for sub in record.submissions[:through]

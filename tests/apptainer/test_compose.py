@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.errors import MemoryLimitExceededError, UnsupportedTask
+from harbor_hpc.apptainer.errors import UnsupportedTask
 from harbor_hpc.apptainer.pod import image_healthcheck
 from harbor_hpc.apptainer.probes import missing_subid_ranges
 from harbor_hpc.apptainer.sif import ImageConfig
@@ -225,6 +225,8 @@ def test_services_run_beside_the_task_as_docker_compose_runs_them(
 def test_the_watchdog_counts_every_service_against_the_tasks_memory(
     debian_sif: Path, tmp_path: Path
 ) -> None:
+    """A service's process over the task's memory_mb is the biggest of the pod's: killed, as
+    Docker's OOM killer kills it, and the main container goes on; the service's server too."""
     env_dir = tmp_path / "environment"
     write_compose(
         env_dir,
@@ -237,16 +239,25 @@ services:
     )
     environment = make_environment(str(debian_sif), tmp_path, env_dir, memory_mb=256)
 
-    async def scenario() -> None:
+    async def scenario() -> tuple[str, str]:
         await environment.start(force_build=False)
         try:
             for _ in range(100):
+                if environment._watchdog is not None and environment._watchdog.kills:
+                    break
                 await environment.exec("sleep 0.1")
+            main = await environment.exec("echo main")
+            service = await environment.service_exec(
+                "pgrep -fc 'bytearray[(]400' || true", service="hog"
+            )
+            return main.stdout, service.stdout
         finally:
             await environment.stop(delete=True)
 
-    with pytest.raises(MemoryLimitExceededError, match="256 MB"):
-        asyncio.run(scenario())
+    assert asyncio.run(scenario()) == ("main\n", "0\n")
+    assert environment._watchdog is not None
+    (kill,) = environment._watchdog.kills
+    assert "bytearray(400 << 20)" in kill.command and kill.limit_bytes == 256 << 20
 
 
 @pytest.mark.apptainer

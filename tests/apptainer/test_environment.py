@@ -13,7 +13,9 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -33,10 +35,17 @@ from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, 
 from harbor_hpc.apptainer.limits import AS_YOU, IN_MEMORY, ONE_ID, read_limits
 from harbor_hpc.apptainer.probes import missing_subid_ranges, trial_scratch_finding
 from harbor_hpc.apptainer.runtime import find_apptainer
-from harbor_hpc.apptainer.sif import root_partition
+from harbor_hpc.apptainer.sif import (
+    ImageConfig,
+    foreign_architecture,
+    image_config,
+    node_architecture,
+    root_partition,
+)
 from harbor_hpc.apptainer.store import ensure_sif
 from harbor_hpc.apptainer.watchdog import process_tree
 from harbor_hpc.core.probe import Status
+from harbor_hpc.results.classify import outcome_of_trial
 from tests.support.environments import make_environment, started
 from tests.support.processes import container_processes, gone_within
 from tests.support.users import other_user_command
@@ -129,19 +138,22 @@ def make_task(
     expected: str = "42",
     memory_mb: int | None = None,
     files: dict[str, str] | None = None,
+    verifier_timeout_sec: float = 60.0,
+    test: str | None = None,
 ) -> Path:
     task = root / f"task-{uuid.uuid4().hex[:8]}"
     for sub in ("environment", "solution", "tests"):
         (task / sub).mkdir(parents=True)
     memory = f"memory_mb = {memory_mb}\n" if memory_mb else ""
     (task / "task.toml").write_text(
-        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n[verifier]\ntimeout_sec = 60.0\n'
+        'version = "1.0"\n[agent]\ntimeout_sec = 120.0\n'
+        f"[verifier]\ntimeout_sec = {verifier_timeout_sec}\n"
         f'[environment]\ndocker_image = "{image}"\nworkdir = "/app"\n{memory}'
     )
     (task / "instruction.md").write_text("Write the answer to /app/answer.txt.\n")
     (task / "environment" / "Dockerfile").write_text("FROM scratch\nWORKDIR /app\n")
     (task / "solution" / "solve.sh").write_text("#!/bin/bash\n" + textwrap.dedent(solve))
-    (task / "tests" / "test.sh").write_text(REWARD_TEST.format(expected=expected))
+    (task / "tests" / "test.sh").write_text(test or REWARD_TEST.format(expected=expected))
     for name, text in (files or {}).items():
         path = task / "environment" / "files" / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,6 +249,16 @@ def oracle_trials(
             make_task(root, str(debian_sif), solve),
             ("unpacked_roots=2", f"scratch_dir={root / 'scratch'}"),
         ),
+        "slow verifier": (
+            make_task(
+                root,
+                str(debian_sif),
+                solve,
+                verifier_timeout_sec=2.0,
+                test="#!/bin/bash\nsleep 30\necho 1 > /logs/verifier/reward.txt\n",
+            ),
+            (),
+        ),
     }
     trials = root / "trials"
     running = {name: start_trial(task, trials, *kwargs) for name, (task, kwargs) in tasks.items()}
@@ -300,6 +322,23 @@ def test_failing_setup_script_fails_the_trial(oracle_trials: dict[str, OracleTri
 @pytest.mark.apptainer
 @pytest.mark.docker
 @pytest.mark.registry
+def test_a_verifier_that_runs_out_of_time_is_the_verifiers(
+    oracle_trials: dict[str, OracleTrial],
+) -> None:
+    """Its time is the task's, not the policy's: class verifier (never the agent's `timeout`),
+    no reward, and a message that says which setting to raise."""
+    trial = oracle_trials["slow verifier"]
+    assert trial.result["exception_info"]["exception_type"] == "VerifierTimeoutError"
+    outcome = outcome_of_trial(trial.folder, trial.result, reward_key=None)
+    assert (outcome.failure, outcome.trainable, outcome.reward) == ("verifier", False, None)
+    assert outcome.message is not None
+    assert "tests/test.sh ran past its verifier timeout" in outcome.message, outcome.message
+    assert "raise [verifier] timeout_sec in the task's task.toml" in outcome.message
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.registry
 def test_oracle_from_registry_reference_without_python(
     oracle_trials: dict[str, OracleTrial], sif_store: Path
 ) -> None:
@@ -311,7 +350,11 @@ def test_oracle_from_registry_reference_without_python(
 
 @pytest.mark.apptainer
 @pytest.mark.docker
-def test_memory_hog_is_killed_and_reported(debian_sif: Path, tmp_path: Path) -> None:
+def test_memory_hog_is_killed_as_under_docker(debian_sif: Path, tmp_path: Path) -> None:
+    """Over memory_mb, the task's biggest process is killed, as the kernel's OOM killer kills it
+    in a Docker container's cgroup, and the task goes on to its reward (the policy's outcome);
+    memory that no kill frees (files in the container's /dev, a tmpfs) ends the container, named
+    `memory`; /dev/shm is Docker's 64 MB."""
     hog = """\
     python3 -c '
     chunks = []
@@ -319,20 +362,135 @@ def test_memory_hog_is_killed_and_reported(debian_sif: Path, tmp_path: Path) -> 
         chunks.append(b"x" * (20 << 20))
     print("survived")
     '
+    echo "python3 ended with $?" > /logs/agent/hog.txt
     echo 42 > answer.txt
     """
     task = make_task(tmp_path, str(debian_sif), hog, memory_mb=512)
     result = run_trial(task, tmp_path / "trials")
+    assert result["exception_info"] is None, result["exception_info"]
+    assert reward(result) == 1.0
+    trial = tmp_path / "trials" / result["trial_name"]
+    assert (trial / "agent" / "hog.txt").read_text() == "python3 ended with 137\n"
+    log = (trial / "trial.log").read_text()
+    assert "out of memory: killed process" in log and "memory limit of 512 MB" in log, log
+
+    # /dev/shm and /dev hold at most Docker's 64 MB each, tmpfs mounts no kill empties.
+    shm = "head -c 100000000 /dev/zero > /dev/shm/big; echo $? > /logs/agent/shm.txt\n"
+    task = make_task(tmp_path, str(debian_sif), shm + "echo 42 > answer.txt\n", memory_mb=512)
+    result = run_trial(task, tmp_path / "trials")
+    assert (result["exception_info"], reward(result)) == (None, 1.0), result["exception_info"]
+    trial = tmp_path / "trials" / result["trial_name"]
+    assert (trial / "agent" / "shm.txt").read_text() == "1\n"  # No space left on device
+
+    dev = (
+        "head -c 100000000 /dev/zero > /dev/big; echo $? > /logs/agent/dev.txt\n"
+        "head -c 100000000 /dev/zero > /dev/shm/big; sleep 30\necho 42 > answer.txt\n"
+    )
+    # 120 MB: the kill at 114 MB leaves the processes 50 MB beside a full /dev (its write fails
+    # first), and none beside both full mounts (the container ends).
+    task = make_task(tmp_path, str(debian_sif), dev, memory_mb=120)
+    result = run_trial(task, tmp_path / "trials")
+    trial = tmp_path / "trials" / result["trial_name"]
+    assert (trial / "agent" / "dev.txt").read_text() == "1\n"  # No space left on device
     info = result["exception_info"]
     assert info["exception_type"] == "MemoryLimitExceededError"
     message = info["exception_message"]
-    assert "memory" in message and "512 MB" in message and "486 MB" in message
+    assert "memory" in message and "120 MB" in message and "114 MB" in message
     peak = int(message.split("peak of ")[1].split(" MB")[0])
-    assert 486 < peak < 486 * 1.5
+    assert 114 < peak < 64 + 64 + 120  # two full tmpfs mounts and the processes under memory_mb
     assert gone_within(10, lambda: container_processes(debian_sif)) == []
 
 
 # -- the environment's promises, driven directly ---------------------------------
+
+
+# What Apptainer adds to a process's environment that Docker's containers never show.
+APPTAINER_TRACES = ("APPTAINER_", "SINGULARITY_", "ENGINE_CONFIG", "PS1=", "PROMPT_COMMAND=")
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    "image", ["debian_sif", pytest.param("nopython_sif", marks=pytest.mark.registry)]
+)
+def test_no_process_of_the_container_shows_apptainers_variables(
+    image: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A task cannot tell it is not in Docker from any environment it can read: PID 1's (the
+    command server, started again in Docker's environment), every other process's, and its
+    own, each the image's ENV with HOME and PATH, and nothing of Apptainer's."""
+    sif: Path = request.getfixturevalue(image)
+
+    async def main() -> None:
+        async with started(sif, tmp_path) as environment:
+            first = await environment.exec("tr '\\0' '\\n' </proc/1/environ")
+            every = await environment.exec(
+                "for p in /proc/[0-9]*; do tr '\\0' '\\n' <$p/environ 2>/dev/null; done"
+            )
+            own = await environment.exec("env")
+            init = await environment.exec("tr '\\0' ' ' </proc/1/cmdline")
+        assert first.return_code == 0 and first.stdout.strip(), first.stderr
+        for said in (first.stdout, every.stdout, own.stdout):
+            lines = said.splitlines()
+            assert [line for line in lines if line.startswith(APPTAINER_TRACES)] == [], said
+            assert not [line for line in lines if "/.singularity.d" in line], said
+        pid1 = dict(line.partition("=")[::2] for line in first.stdout.splitlines() if line)
+        image_env = (image_config(sif) or ImageConfig()).env
+        assert {name: pid1.get(name) for name in image_env} == image_env
+        assert {"HOME", "PATH"} <= set(pid1)
+        assert "server" in init.stdout  # our server is PID 1, no Apptainer shim
+
+    asyncio.run(main())
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+@pytest.mark.parametrize(
+    "image", ["debian_sif", pytest.param("nopython_sif", marks=pytest.mark.registry)]
+)
+def test_the_container_outlives_what_a_task_does_to_its_processes(
+    image: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """As a Docker container's init: every signal a task may send (`kill -9 -1`, any signal to
+    its pid 1) leaves the container and its command server up, and the killer's own command is
+    answered with its status (python3's server and bash's alike)."""
+    sif: Path = request.getfixturevalue(image)
+    signals = "; ".join(
+        f"kill -{name} 1" for name in ("INT", "TERM", "HUP", "QUIT", "USR1", "KILL")
+    )
+
+    async def main() -> list[tuple[int, str]]:
+        async with started(sif, tmp_path) as environment:
+            await environment.exec("sleep 600 > /dev/null 2>&1 &")
+            said = []
+            for command in ("kill -9 -1; echo after", f"{signals}; echo sent", "echo alive"):
+                result = await environment.exec(command, timeout_sec=30)
+                said.append((result.return_code, result.stdout))
+            return said
+
+    assert asyncio.run(main()) == [(0, "after\n"), (0, "sent\n"), (0, "alive\n")]
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_the_command_after_a_kill_of_every_process_runs_once(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """`kill -9 -1` also kills the shells the server keeps waiting for the next command; one
+    may still be dying, not yet reaped, as that command comes (a loaded node: one in 25 here).
+    The command runs in a fresh shell instead, once: never answered as killed (137, no output)."""
+
+    async def main() -> list[str]:
+        async with started(debian_sif, tmp_path) as environment:
+            said = []
+            for _ in range(30):
+                await environment.exec("kill -9 -1")
+                result = await environment.exec("echo x >> /tmp/runs; echo ok", timeout_sec=30)
+                said.append(f"{result.return_code} {result.stdout.strip()}")
+            runs = await environment.exec("wc -l < /tmp/runs")
+            return [*set(said), runs.stdout.strip()]
+
+    assert asyncio.run(main()) == ["0 ok", "30"]
 
 
 @pytest.mark.apptainer
@@ -682,6 +840,45 @@ def test_root_partition_is_the_one_apptainer_lists(debian_sif: Path) -> None:
     start, end = (int(part) for part in rows[0][3].split("-"))
     assert [int(row[0]) for row in rows] == [partition.id]
     assert (partition.offset, partition.size) == (start, end - start)
+
+
+def foreign_copy(sif: Path, copy: Path, arch: bytes) -> Path:
+    """`sif` copied to `copy` with its header's and root partition's architecture `arch` (a SIF
+    code: b"04" arm64, b"02" amd64), as an image built for that architecture has them."""
+    data = bytearray(sif.read_bytes())
+    data[45:47] = arch  # the global header's primary architecture (after launch, magic, version)
+    total, table, size = struct.unpack_from("<3q", data, 88)  # descriptors: count, at, bytes
+    width = size // total
+    for index in range(total):
+        entry = table + index * width
+        kind, used = struct.unpack_from("<i?", data, entry)
+        if used and kind == 0x4004:  # a partition: file system, kind, then its architecture
+            data[entry + 209 : entry + 211] = arch
+    copy.write_bytes(bytes(data))
+    return copy
+
+
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_an_image_of_another_architecture_is_named_so(debian_sif: Path, tmp_path: Path) -> None:
+    """An arm64 .sif on an x86_64 node (or the other way round) says both, where its root,
+    mounted from the partition, would start and then fail at its first program."""
+    node = node_architecture()
+    other, code = ("amd64", b"02") if node == "arm64" else ("arm64", b"04")
+    foreign = foreign_copy(debian_sif, tmp_path / "foreign.sif", code)
+    listed = subprocess.run(
+        [find_apptainer(), "sif", "list", str(foreign)], capture_output=True, text=True
+    ).stdout
+    assert f"Squashfs/*System/{other}" in listed, listed
+    environment = make_environment(str(foreign), tmp_path)
+    with pytest.raises(ImageUnavailable) as raised:
+        asyncio.run(environment.start(force_build=False))
+    said = str(raised.value)
+    assert f"task unit: its image {foreign}: built for {other}" in said, said
+    assert f"is {node} ({platform.machine()}) and cannot run its programs" in said, said
+    assert f"--platform linux/{node}" in said
+    assert gone_within(10, lambda: container_processes(foreign)) == []
+    assert foreign_architecture(debian_sif) is None
 
 
 @pytest.mark.apptainer

@@ -8,6 +8,7 @@ Apptainer, as the tester."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
@@ -243,6 +244,46 @@ def test_a_start_that_finds_its_image_being_unpacked_does_not_wait_for_it(
     finally:
         other.kill()
         other.wait()
+
+
+@pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")
+def test_an_unpack_under_way_into_one_folder_leaves_another_folders_to_its_own(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """One process, two roots folders (two scratch disks): the image's unpack into the first
+    (slowed by a minute) does not keep it from being unpacked into the second."""
+    image = copy_of(debian_sif, tmp_path / "images", "two-folders.sif")
+    slow = tmp_path / "bin" / "unsquashfs"
+    slow.parent.mkdir()
+    real = shutil.which("unsquashfs")
+    slow.write_text(f'#!/bin/sh\ncase "$*" in *slow-disk*) sleep 60;; esac\nexec {real} "$@"\n')
+    slow.chmod(0o755)
+    unpacker = """if True:
+        import os, sys, time
+        from pathlib import Path
+        from harbor_hpc.apptainer.roots import UnpackedRoots
+        image, both = Path(sys.argv[3]), [UnpackedRoots(Path(f), None) for f in sys.argv[1:3]]
+        for roots in both:
+            roots.lease(image), roots.lease(image)  # seen, then unpacked in the background
+        deadline = time.monotonic() + 50
+        while not [p for p in both[1].folder.iterdir() if p.is_dir() and p.name[0] != "."]:
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(0.1)
+        os._exit(0)  # not waiting for the slow unpack
+    """
+    folders = [str(tmp_path / "slow-disk"), str(tmp_path / "fast-disk")]
+    other = subprocess.Popen(
+        [sys.executable, "-c", unpacker, *folders, str(image)],
+        env={**os.environ, "PATH": f"{slow.parent}:{os.environ['PATH']}"},
+        start_new_session=True,
+    )
+    try:
+        assert other.wait(timeout=90) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(other.pid, 9)
+    assert len(roots_in(tmp_path / "fast-disk")) == 1 and roots_in(tmp_path / "slow-disk") == []
 
 
 @pytest.mark.skipif(bool(missing_subid_ranges()), reason="unpacking keeps owners with a range")

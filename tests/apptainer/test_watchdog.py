@@ -1,4 +1,4 @@
-"""The memory watchdog on real processes of this machine (no container needed)."""
+"""The memory and disk watchdogs on real processes of this machine (no container needed)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ import pytest
 from harbor_hpc.apptainer.watchdog import (
     MB,
     RECHECK_SEC,
+    DiskKill,
+    DiskWatchdog,
     MemoryBreach,
     MemoryWatchdog,
+    OomKill,
     process_tree,
     tree_pss_bytes,
 )
@@ -105,6 +108,70 @@ def test_grower_is_killed_soon_after_crossing_with_small_overshoot() -> None:
         and "400 MB" in message
         and f"{-(-breach.peak_bytes // MB)} MB" in message
     )
+
+
+def test_over_the_limit_the_tasks_biggest_process_is_killed_and_the_rest_goes_on() -> None:
+    """As the kernel's OOM killer in a Docker container's cgroup: the process that overran
+    (below the server, never the server), and the tree lives on; where no one kill is enough,
+    the whole tree."""
+    limit = 400 * MB
+    # The "server" and, below it, a sleeper and a grower; the grower's exit status is printed.
+    server = subprocess.Popen(
+        ["bash", "-c", f"sleep 60 & {sys.executable} -c '{GROWER}'; echo $?; wait"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    kills: list[OomKill] = []
+    watchdog = MemoryWatchdog(
+        server.pid, limit_bytes=limit, servers=lambda: [server.pid], on_kill=kills.append
+    )
+    watchdog.start()
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline() == "137\n"  # killed: SIGKILL's 128 + 9
+        assert server.poll() is None and watchdog.breach is None
+        (kill,) = kills
+        assert "range(300)" in kill.command and kill.process_bytes > 200 * MB
+        assert kill.container_bytes > kill.threshold_bytes == int(limit * 0.95)
+        assert "the task goes on" in kill.describe()
+        assert len(process_tree(server.pid)) == 2  # the server and its sleeper
+    finally:
+        watchdog.stop()
+        for process in psutil.Process(server.pid).children(recursive=True):
+            process.kill()
+        server.kill()
+        server.wait()
+
+
+def test_over_storage_mb_the_biggest_writer_is_killed_and_the_rest_goes_on(tmp_path: Path) -> None:
+    """A task's files past its storage_mb: the process that wrote them is killed (not the
+    server, not a process that wrote nothing), and a small write after it is left alone."""
+    server = subprocess.Popen(
+        ["bash", "-c", f"sleep 60 & dd if=/dev/zero of={tmp_path}/big bs=1M count=2000 2>/dev/null;"
+         f" echo $?; echo small > {tmp_path}/after; echo done; wait"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    kills: list[DiskKill] = []
+    watchdog = DiskWatchdog(
+        tmp_path, limit_bytes=100 * MB, servers=lambda: [server.pid], on_kill=kills.append
+    )
+    watchdog.start()
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline() == "137\n"  # dd, killed
+        assert server.stdout.readline() == "done\n"
+        (kill,) = kills
+        # What dd wrote since the watchdog's last look: as much as the machine let it by then.
+        assert kill.command.startswith("dd if=/dev/zero") and kill.written_bytes > 0
+        assert 100 * MB < kill.disk_bytes < 1000 * MB
+        assert "storage_mb of 100 MB" in kill.describe()
+        assert (tmp_path / "after").read_text() == "small\n"
+        assert server.poll() is None
+    finally:
+        watchdog.stop()
+        for process in psutil.Process(server.pid).children(recursive=True):
+            process.kill()
+        server.kill()
+        server.wait()
 
 
 def test_stop_ends_the_watch_and_kills_nothing(sleeping_tree: subprocess.Popen[bytes]) -> None:

@@ -5,17 +5,19 @@ image; and `--scratch-dir`.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harbor.environments.base import BaseEnvironment
 
-from harbor_hpc.api import InputError, RolloutRequest, run_rollouts
+from harbor_hpc.api import InputError, RolloutRequest, run_rollouts, run_status
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.core.imports import import_class
@@ -23,6 +25,7 @@ from harbor_hpc.steps.submit.checks import image_problem, reference_check
 from harbor_hpc.tasks.discovery import Task, load_task
 from tests.support.images import TinyImage
 from tests.support.sample_tasks import make_task
+from tests.support.users import other_user, other_user_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -319,3 +322,68 @@ def test_an_agent_that_cannot_be_made_is_refused_before_anything_is_queued(
         assert not (tmp_path / "run").exists()
     fine = submit(tmp_path, "--agent", "terminus-2", "--model", "openai/policy")
     assert fine.returncode == 0, fine.stderr
+
+
+def test_a_task_without_tests_test_sh_is_named_before_the_batch(tmp_path: Path) -> None:
+    """Harbor's trial refuses a task without its test script: submit and run_rollouts name the
+    task and the file, not the agent (which Harbor's own check was mistaken for)."""
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    make_task(tmp_path / "tasks", "a", image=str(sif))
+    untested = make_task(tmp_path / "tasks", "b", image=str(sif))
+    (untested / "tests" / "test.sh").unlink()
+    said = "task b: tests/test.sh is missing: Harbor's verifier runs it to give the reward"
+    refused = submit(tmp_path)
+    assert refused.returncode == 2, refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert said in lines[0] and "Traceback" not in refused.stderr, refused.stderr
+    assert "--agent" not in refused.stderr
+    assert not (tmp_path / "run").exists()
+
+    request = RolloutRequest(tasks=tmp_path / "tasks", run_dir=tmp_path / "run", agent="oracle")
+    with pytest.raises(InputError, match=said):
+        run_rollouts(request)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.other_user
+def test_a_run_dir_in_another_users_private_folder_is_named_in_one_line(
+    tmp_path: Path, shared_dir: Path
+) -> None:
+    """submit, run_rollouts and status name the folder in the way, whose it is, and what to do,
+    where they raised a bare PermissionError (or named run.json)."""
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    make_task(tmp_path / "tasks", "a", image=str(sif))
+    place = shared_dir / f"theirs-{uuid.uuid4().hex[:8]}"
+    place.mkdir()
+    place.chmod(0o1777)
+    private = place / "private"
+    made = ["sh", "-c", f"mkdir -m 700 {private} && mkdir {private}/run"]
+    subprocess.run(other_user_command(made), check=True, capture_output=True)
+    try:
+        said = f"{private} is {other_user()}'s (mode 0700) and you ({getpass.getuser()})"
+        for run_dir in (private / "run", private / "new"):
+            command = [sys.executable, "-m", "harbor_hpc", "submit", str(tmp_path / "tasks")]
+            command += ["--agent", "oracle", "--executor", "local", "--run-dir", str(run_dir)]
+            refused = subprocess.run(command, capture_output=True, text=True, check=False)
+            assert refused.returncode == 2, refused.stderr
+            assert f"error: {run_dir}: {said} may not enter it" in refused.stderr
+            assert "--run-dir in a folder of your own" in refused.stderr
+            assert "Traceback" not in refused.stderr and "run.json" not in refused.stderr
+
+            request = RolloutRequest(tasks=tmp_path / "tasks", run_dir=run_dir, agent="oracle")
+            with pytest.raises(InputError) as raised:
+                run_rollouts(request)
+            assert str(raised.value) == f"{run_dir}: {said} may not enter it"
+            assert raised.value.hint is not None and "pick a run_dir" in raised.value.hint
+
+        status = [sys.executable, "-m", "harbor_hpc", "status", str(private / "run")]
+        refused = subprocess.run(status, capture_output=True, text=True, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert f"{said} may not enter it" in refused.stderr
+        assert f"ask its owner to let you into {private}" in refused.stderr
+        with pytest.raises(InputError, match="may not enter it"):
+            run_status(private / "run")
+    finally:
+        subprocess.run(other_user_command(["rm", "-rf", str(private)]), check=False)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harbor_hpc.api import InputError, Progress, RolloutRequest, run_rollouts, run_status
+from tests.e2e.test_secrets import SECRET, policy_server, rollouts_with_the_key
 from tests.ray.conftest import RayCluster
 from tests.support.sample_tasks import make_task
 
@@ -102,3 +103,72 @@ def test_progress_says_when_trials_wait_for_a_ray_node_with_room(
     assert sorted(line["reward"] for line in lines) == [1.0, 1.0, 1.0]
     said = {progress.waiting for progress in seen if progress.waiting}
     assert "waiting for a Ray node with room for 1 CPU, 512 MB (1)" in said, seen
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.docker
+def test_the_model_servers_key_stays_out_of_containers_on_ray_nodes(
+    ray_cluster: RayCluster, debian_sif: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """tests/e2e/test_secrets.py's rollout, its container on a Ray node."""
+    with policy_server(monkeypatch) as llm:
+        monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+        rollouts_with_the_key(
+            llm, debian_sif, tmp_path, executor="ray",
+            environment_kwargs={"ray_cluster_dir": ray_cluster["cluster_dir"], "ray_cpus": 0.5},
+        )  # fmt: skip
+
+
+# The trainer of the test below, in a process of its own: a Ray driver is ended by Ray when
+# its cluster goes (the module's cluster, at the module's end), which pytest's worker must not be.
+_TRAINER = """
+import json, sys, time
+from harbor_hpc.api import SandboxOptions, SandboxPool
+from harbor_hpc.trl import HarborBashEnv
+
+task, cluster_dir = sys.argv[1], sys.argv[2]
+kwargs = {"ray_cluster_dir": cluster_dir, "ray_cpus": 1}
+said = {}
+with SandboxPool(SandboxOptions(executor="ray", environment_kwargs=kwargs)) as pool:
+    held = [pool.open(task) for _ in range(2)]
+    said["held"] = [sandbox.exec("hostname").return_code for sandbox in held]
+    third = pool.open(task)
+    deadline = time.monotonic() + 60
+    while third.waiting is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    said["waiting"] = third.waiting
+    held[0].exec("echo 42 > /tmp/answer")
+    said["first"] = held[0].verify().training_reward  # its node is free again
+    third.exec("echo 42 > /tmp/answer")
+    said["third"] = third.verify().training_reward
+    held[1].close()
+env = HarborBashEnv(executor="ray", environment_kwargs={**kwargs, "ray_cpus": 0.5})
+env.reset(task_dir=task)
+env.bash("echo 42 > /tmp/answer")
+said["trl"] = env.get_reward()
+print(json.dumps(said), flush=True)
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.apptainer
+@pytest.mark.trl
+def test_trainers_sandboxes_on_the_ray_cluster_and_one_that_waits_for_room_says_so(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    """The sandbox API and TRL's HarborEnv (harbor_hpc.trl) with executor ray: two sandboxes
+    of a whole CPU hold both Ray nodes, a third waits for room and says so until one is done."""
+    import subprocess
+    import sys
+
+    task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    ran = subprocess.run(
+        [sys.executable, "-c", _TRAINER, str(task), str(ray_cluster["cluster_dir"])],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    said = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert said["held"] == [0, 0]
+    assert (said["waiting"] or "").startswith("waiting for a Ray node with room for 1 CPU")
+    assert (said["first"], said["third"], said["trl"]) == (1.0, 1.0, 1.0)

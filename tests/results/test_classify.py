@@ -80,7 +80,7 @@ def harbor_result(
         (SetupScriptFailed("setup.sh exited 3"), "setup"),
         (ImageUnavailable("/x.sif not found"), "image"),
         (AgentTimeoutError("Agent execution timed out after 5.0 seconds"), "timeout"),
-        (VerifierTimeoutError("Verifier timed out"), "timeout"),
+        (VerifierTimeoutError("Verifier timed out"), "verifier"),
         (EnvironmentStartTimeoutError("start timed out"), "environment"),
         (ContainerStartFailed("apptainer: no user namespaces"), "environment"),
         (UnsupportedTask("compose services"), "unsupported"),
@@ -129,10 +129,60 @@ def test_long_messages_are_cut(tmp_path: Path) -> None:
 
 
 def test_primary_reward() -> None:
+    # The one rule (docs/results.md): the run's key, else `reward`, else a lone value.
     assert primary_reward({}) is None
     assert primary_reward({"accuracy": 0.5}) == 0.5
     assert primary_reward({"reward": 1, "accuracy": 0.5}) == 1.0
-    assert primary_reward({"a": 1, "b": 0}) == 0.5
+    assert primary_reward({"a": 1, "b": 0}) is None  # never their mean
+    assert primary_reward({"correct": 1, "style": 0.5}, "style") == 0.5
+    assert primary_reward({"reward": 1, "style": 0.5}, "style") == 0.5
+    # A named key is the only one read: a lone value of another name is not it.
+    assert primary_reward({"accuracy": 0.5}, "correct") is None
+
+
+def test_several_rewards_none_named_reward_are_not_trainable(tmp_path: Path) -> None:
+    # The user's reward.json: {"correct": 1, "style": 0.5}, no `reward` key.
+    result = harbor_result(tmp_path, rewards={"correct": 1, "style": 0.5})
+    outcome = outcome_of_result(result)
+    assert (outcome.state, outcome.failure, outcome.reward) == ("failed", "verifier", None)
+    assert not outcome.trainable
+    assert outcome.rewards == {"correct": 1.0, "style": 0.5}  # kept, for the export line
+    assert outcome.message is not None
+    assert "correct, style" in outcome.message and "--reward-key" in outcome.message
+    # With the run's key named, that key's value, trainable.
+    named = outcome_of_result(result, reward_key="correct")
+    assert (named.state, named.failure, named.reward, named.trainable) == ("done", None, 1.0, True)
+    assert outcome_of_result(result, reward_key="style").reward == 0.5
+
+
+def test_a_named_key_the_verifier_did_not_write(tmp_path: Path) -> None:
+    outcome = outcome_of_result(harbor_result(tmp_path, rewards={"reward": 1}), reward_key="x")
+    assert (outcome.failure, outcome.reward, outcome.trainable) == ("verifier", None, False)
+    assert outcome.message is not None and "'x'" in outcome.message and "reward" in outcome.message
+
+
+def test_the_keys_problem_is_named_when_the_agent_also_failed(tmp_path: Path) -> None:
+    # The agent's own failure leaves the reward valid: what stands in the way is the keys.
+    result = harbor_result(
+        tmp_path, rewards={"a": 1, "b": 0}, exception=AgentTimeoutError("timed out")
+    )
+    outcome = outcome_of_result(result)
+    assert (outcome.failure, outcome.trainable) == ("verifier", False)
+    assert outcome.message is not None and "a, b" in outcome.message
+    assert "AgentTimeoutError" in outcome.message
+    # A failure whose reward is invalid anyway stands as it is.
+    invalid = outcome_of_result(
+        harbor_result(tmp_path, rewards={"a": 1, "b": 0}, exception=SetupScriptFailed("x"))
+    )
+    assert invalid.failure == "setup"
+
+
+def test_the_reward_key_reaches_each_step(tmp_path: Path) -> None:
+    from harbor_hpc.results.rollout import _step_record
+
+    step = {"step_name": "one", **harbor_result(tmp_path, rewards={"c": 1, "s": 0})}
+    assert _step_record(tmp_path, tmp_path, step, None)["failure"] == "verifier"
+    assert _step_record(tmp_path, tmp_path, step, "s")["reward"] == 0.0
 
 
 def named(name: str) -> BaseException:

@@ -30,9 +30,9 @@ def ended(run_dir: Path, trial: str, task: str, result: dict[str, object]) -> Ma
 
 def noted(run_dir: Path, marker: Marker) -> None:
     """What the worker notes once the trial has ended."""
-    outcome = read_outcome(run_dir, marker)
+    outcome = read_outcome(run_dir, None, marker)
     assert outcome is not None
-    note_outcome(run_dir, marker, outcome, group_readable=False)
+    note_outcome(run_dir, marker, outcome, group_readable=False, reward_key=None)
 
 
 def seen(run_dir: Path) -> dict[str, tuple[str, str | None, float | None]]:
@@ -119,6 +119,19 @@ def test_a_line_a_killed_worker_half_wrote_is_skipped_and_the_next_one_read(
     )
     assert seen(run_dir) == {"first": ("done", None, 0.0), "requeued": ("done", None, 1.0)}
     noted(run_dir, requeued)  # a whole line after them
-    trials = RunTrials(run_dir)
+    trials = RunTrials(run_dir, reward_key=None)
     assert trials.noted("t1") is None
     assert trials.noted("t2") == Outcome(None, None, 1.0, {"reward": 1.0}, True)
+
+
+def test_an_entry_read_by_another_reward_key_is_not_taken(tmp_path: Path) -> None:
+    # A worker that read {"c": 1, "s": 0.5} by the key "c" noted reward 1; a reader of the run
+    # by the default rule (no key) reads the folder again: several rewards, none `reward`.
+    run_dir = a_run(tmp_path, ["two-keys"])
+    marker = ended(run_dir, "t1", "two-keys", harbor_result(tmp_path, rewards={"c": 1, "s": 0.5}))
+    outcome = read_outcome(run_dir, "c", marker)
+    assert outcome is not None and outcome.reward == 1.0
+    note_outcome(run_dir, marker, outcome, group_readable=False, reward_key="c")
+    assert RunTrials(run_dir, reward_key="c").noted("t1") == outcome
+    assert RunTrials(run_dir, reward_key=None).noted("t1") is None
+    assert seen(run_dir) == {"two-keys": ("failed", "verifier", None)}

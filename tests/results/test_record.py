@@ -85,7 +85,7 @@ def test_markers_oldest_first_and_broken_ones_skipped(tmp_path: Path) -> None:
     for trial, started in (("t2", "2026-01-01T00:00:02"), ("t1", "2026-01-01T00:00:01")):
         write_marker(tmp_path, Marker(trial, "a", 0, 1, "5_0", "h", 1, started))
     (RunPaths(tmp_path).markers / "broken.json").write_text("{")
-    assert [m.trial for m in RunTrials(tmp_path).markers] == ["t1", "t2"]
+    assert [m.trial for m in RunTrials(tmp_path, reward_key=None).markers] == ["t1", "t2"]
 
 
 def test_trial_names_are_fresh() -> None:

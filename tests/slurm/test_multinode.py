@@ -100,10 +100,10 @@ def test_a_node_that_crashes_under_a_run_loses_nothing_and_duplicates_nothing(
         "--executor", "slurm", env=cluster.env,
     )  # fmt: skip
     deadline = time.monotonic() + 180
-    while len(RunTrials(run_dir).markers) < 3:
+    while len(RunTrials(run_dir, reward_key=None).markers) < 3:
         assert time.monotonic() < deadline, f"the trials never started: {submitted}"
         time.sleep(0.5)
-    cut = next(m for m in RunTrials(run_dir).markers if m.task == "b")
+    cut = next(m for m in RunTrials(run_dir, reward_key=None).markers if m.task == "b")
     assert cut.host in cluster.node_tmp and cut.job is not None
     cluster.node("crash", cut.host)
 
@@ -127,7 +127,7 @@ def test_a_node_that_crashes_under_a_run_loses_nothing_and_duplicates_nothing(
         ("b", "done", 1.0),
         ("c", "done", 1.0),
     ]
-    markers = RunTrials(run_dir).markers
+    markers = RunTrials(run_dir, reward_key=None).markers
     assert sorted(m.task for m in markers) == ["a", "b", "b", "c"]  # b cut once, run again
     assert cut.trial not in {s["trial"] for s in status}
     out = cluster.work / "rollouts.jsonl"

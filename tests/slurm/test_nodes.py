@@ -36,6 +36,7 @@ c1|idle|debug*
 c2|mix|debug*
 c3|drain|debug*
 c4|down*|debug*
+c5|idle*|debug*
 g1|alloc|gpu
 """
 
@@ -56,9 +57,10 @@ def home_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
 
 def test_a_partitions_nodes_that_take_jobs_are_asked_the_rest_named() -> None:
     nodes = parse_partition_nodes(SINFO, None)
+    # c5 missed the controller's last ping (busy, as a CI machine's often is): still asked.
     assert (nodes.partition, nodes.asked, nodes.not_taking_jobs) == (
         "debug",
-        ("c1", "c2"),
+        ("c1", "c2", "c5"),
         ("c3", "c4"),
     )
     assert parse_partition_nodes(SINFO, "gpu").asked == ("g1",)

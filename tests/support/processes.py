@@ -39,7 +39,9 @@ def container_processes(sif: Path) -> list[str]:
         and process.info["status"] != psutil.STATUS_ZOMBIE  # ended: its parent has yet to reap it
     ]
     by_pid = {process.pid: process for process in mine}
-    others = {process.pid for process in mine if _held_for_another(process, by_pid)}
+    others = {
+        process.pid for process in mine if _held_for_another(process, by_pid) or _unpacks(process)
+    }
     of_sif = {p.pid for p in mine if p.pid not in others and _names(p, str(sif))}
     namespace_of = {process.pid: _user_namespace(process.pid) for process in mine}
     namespaces = {namespace_of[pid] for pid in of_sif} - {None, own_namespace}
@@ -56,6 +58,14 @@ def container_processes(sif: Path) -> list[str]:
         if process.pid in of_sif or orphan_mount or namespace in namespaces:
             found.append(f"{process.pid}: {' '.join(process.info['cmdline'] or [])}")
     return found
+
+
+def _unpacks(process: psutil.Process) -> bool:
+    """Whether `process` unpacks an image into the node's roots (roots.py), in a thread of an
+    earlier test's process that outlives it: not a container. An unsquashfs ending has no
+    command line left, but its name."""
+    cmdline = process.info["cmdline"] or []
+    return process.info["name"] == "unsquashfs" or "unsquashfs" in cmdline
 
 
 def _is_holder(process: psutil.Process | None) -> bool:

@@ -26,11 +26,19 @@ FETCH_ANSWER = (
 SOLVE = {
     "solved": "echo 42 > /tmp/answer\n",
     "unsolved": "echo 41 > /tmp/answer\n",
-    # Grows a Python list well past any small memory_mb, slowly enough for a watchdog to see.
+    # Grows a Python list well past any small memory_mb, slowly enough for a watchdog to see:
+    # the python3 is killed (as Docker's OOM killer kills it) and the task goes on, solved.
     "memory_hog": (
         "python3 -c 'import time\nb=[]\nfor _ in range(400):\n"
         "    b.append(bytearray(8 << 20)); time.sleep(0.02)\ntime.sleep(30)'\n"
         "echo 42 > /tmp/answer\n"
+    ),
+    # Fills the container's /dev and /dev/shm (tmpfs mounts of Docker's 64 MB each: RAM no
+    # process is charged for, which no kill frees) past a memory_mb under 128: the container
+    # is killed (`memory`).
+    "dev_hog": (
+        "head -c 70000000 /dev/zero > /dev/big; head -c 70000000 /dev/zero > /dev/shm/big\n"
+        "sleep 30\necho 42 > /tmp/answer\n"
     ),
     "slow": "sleep 600\necho 42 > /tmp/answer\n",
     # Solves, but takes long enough to be caught running (and cancelled) by a test, however

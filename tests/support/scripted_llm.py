@@ -19,7 +19,8 @@ but kept in `checks`, apart from the script's turns.
 hold `[fault:NAME]` (a task's instruction) meets `faults[NAME]` once `after` replies have been
 answered in it: it hangs, answers late, answers an HTTP error (500, 429, vLLM's context-length
 400), closes the connection mid-response, sends a body that is not JSON, drops the token ids
-and logprobs (a server restarted without them), or always gives one reply.
+and logprobs (a server restarted without them), always gives one reply, or gives a script of
+its own (a policy of that conversation's, as a batch of several tasks needs).
 
 Tokens are UTF-8 bytes, so ids are reproducible and decode back to text: the completion's ids
 are the reply's bytes, the prompt's are those of `render_prompt(messages)`. Every exchange is
@@ -74,6 +75,10 @@ def render_prompt(messages: Sequence[Mapping[str, Any]], *, rewrite_history: boo
     return "".join(parts) + "<|assistant|>\n"
 
 
+def _text(reply: Reply) -> str:
+    return reply if isinstance(reply, str) else json.dumps(reply, indent=2)
+
+
 def encode(text: str) -> list[int]:
     return list(text.encode())
 
@@ -100,6 +105,7 @@ class Fault:
     malformed: bool = False  # a 200 whose body is not JSON
     no_tokens: bool = False  # answer without token ids and logprobs
     reply: Reply | None = None  # answer this, whatever the script says
+    script: Sequence[Reply] = ()  # answer these in turn (the last once used up): a policy's own
 
     def met(self, turn: int) -> bool:
         return turn >= self.after
@@ -142,7 +148,7 @@ class ScriptedLLM:
     ) -> None:
         if not script:
             raise ValueError("the script needs at least one reply")
-        self.replies = [r if isinstance(r, str) else json.dumps(r, indent=2) for r in script]
+        self.replies = [_text(reply) for reply in script]
         self.model = model
         self.rewrite_history = rewrite_history
         self.each_conversation = each_conversation
@@ -210,8 +216,11 @@ class ScriptedLLM:
             else:
                 turn = len(self.exchanges)
             reply = self.replies[min(turn, len(self.replies) - 1)]
+            if fault is not None and fault.script:
+                said = sum(1 for message in messages if message.get("role") == "assistant")
+                reply = _text(fault.script[min(said - fault.after, len(fault.script) - 1)])
             if fault is not None and fault.reply is not None:
-                reply = fault.reply if isinstance(fault.reply, str) else json.dumps(fault.reply)
+                reply = _text(fault.reply)
             tokens = self.token_ids and not (fault is not None and fault.no_tokens)
             prompt_ids = encode(render_prompt(messages, rewrite_history=self.rewrite_history))
             completion_ids = encode(reply)

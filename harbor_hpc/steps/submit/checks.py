@@ -1,6 +1,7 @@
 """What submit refuses before it records or queues anything: an agent or environment that
 cannot be made with what was given, kwargs that look like secrets, variables the agent would
-miss, and tasks whose image no node could get. None of them changes anything."""
+miss, tasks without what Harbor's verifier runs, and tasks whose image no node could get. None
+of them changes anything."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from harbor_hpc.apptainer.store import sif_file, unavailable
 from harbor_hpc.apptainer.tools import AGENT_TOOLS, missing_tools
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import InputError
+from harbor_hpc.core.files import read_in_threads
 from harbor_hpc.core.imports import cannot_import, import_class
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.slurm.worker import use_local_cost_map
@@ -117,6 +119,45 @@ def _verifier_image_problem(task: Task, check: ReferenceCheck) -> str | None:
     if problem is not None:
         return f"{task.task_toml}: verifier.environment.docker_image {problem}"
     return None
+
+
+# Harbor's words for a test script a task lacks (harbor/models/task/task.py, _validate_tests).
+_NO_TEST = re.compile(r"does not contain (\S+?)\.$")
+_EXPECTED = re.compile(r"Expected (\S+) or (\S+?)\.$")
+
+
+def verifier_problem(task: Task) -> str | None:
+    """Why Harbor's trial of `task` would refuse it before anything ran (no tests/test.sh, no
+    instruction.md, a step's folder missing), in one line naming the task, or None when it
+    would not: the check Harbor's Task makes, asked here so that a batch never starts with it."""
+    from harbor.models.task.paths import TaskPaths
+    from harbor.models.task.task import Task as HarborTask
+
+    try:
+        HarborTask._validate_tests(task.config, TaskPaths(task.path))
+    except (OSError, ValueError, RuntimeError) as exc:
+        said = " ".join(str(exc).split())
+        if (missing := _NO_TEST.search(said)) or (missing := _EXPECTED.search(said)):
+            script = " or ".join(missing.groups())
+            return (
+                f"task {task.rel}: {script} is missing: Harbor's verifier runs it to give the "
+                f"reward (add {script} to {task.path}, writing /logs/verifier/reward.txt, or "
+                "remove the task)"
+            )
+        return f"task {task.rel}: {said.replace(f'Task directory {task.path} ', '')}"
+    return None
+
+
+def refuse_unverifiable(tasks: list[Task]) -> None:
+    """Refuse the batch when a task lacks what Harbor's verifier runs (`verifier_problem`),
+    asked of every task, several at a time (a shared filesystem's round trips)."""
+    problems = [problem for problem in read_in_threads(verifier_problem, tasks) if problem]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise InputError(
+            "; ".join(problems[:5]) + more,
+            hint="fix or remove these tasks; nothing was queued",
+        )
 
 
 def agent_class(agent: str) -> type:

@@ -13,7 +13,7 @@ import contextlib
 import getpass
 import shutil
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,13 @@ from harbor_hpc.results.record import (
     RunRecord,
     Submission,
     Unit,
+    check_run_folder,
     create_run,
     load_run,
     make_private,
     now_iso,
+    read_task_hashes,
+    record_task_hashes,
     update_run,
 )
 from harbor_hpc.results.status import AttemptStatus, attempt_statuses
@@ -47,6 +50,7 @@ from harbor_hpc.steps.submit.checks import (
     image_problem,
     reference_check,
     refuse_secrets,
+    refuse_unverifiable,
     require_agent_env,
     tools_check,
 )
@@ -57,7 +61,24 @@ from harbor_hpc.steps.submit.options import (
 )
 from harbor_hpc.steps.submit.plan import Group, plan_groups
 from harbor_hpc.steps.submit.waves import SUBMIT_LIMIT_REACHED, agent_env_values, queue_chunks
+from harbor_hpc.tasks.digest import Digest, changed_parts, describe_changes, task_digests
 from harbor_hpc.tasks.discovery import Task, discover_tasks, load_task
+
+
+class TaskChangedError(InputError):
+    """Tasks of a run changed since the run recorded them (their instruction, task.toml,
+    tests, environment; the solution for the oracle agent): their trials answer for the task
+    as it was, so the run is not continued with them unless asked to run them again."""
+
+    def __init__(self, run_dir: Path, changes: list[tuple[str, list[str]]]) -> None:
+        super().__init__(
+            f"{run_dir}: {len(changes)} task(s) changed since this run ran them: "
+            f"{describe_changes(changes)}; their finished trials are of the old task",
+            hint="pick a new --run-dir, or pass --rerun-changed to run the changed tasks again "
+            "in this one",
+        )
+        self.run_dir = run_dir
+        self.tasks = [task for task, _ in changes]
 
 
 @dataclass
@@ -79,6 +100,8 @@ class SubmitResult:
     # (None: none waits).
     queued: int = 0
     waiting: str | None = None
+    # Tasks that changed since the run ran them, run again (`--rerun-changed`).
+    rerun: list[str] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[list[Unit]]:
@@ -99,6 +122,7 @@ class SubmitResult:
             "dry_run": self.dry_run,
             "queued": self.queued,
             "waiting": self.waiting,
+            "rerun": self.rerun,
         }
 
 
@@ -108,6 +132,13 @@ def submit_run(
     """Discover the tasks, record the run in `run_dir`, and queue every task attempt."""
     if options.tasks_per_job < 1 or options.concurrency < 1 or options.attempts < 1:
         raise InputError("--tasks-per-job, --concurrency and --attempts must be at least 1")
+    if options.reward_key is not None and (
+        not isinstance(options.reward_key, str) or not options.reward_key.strip()
+    ):
+        raise InputError(
+            f"--reward-key must name a key of the verifier's reward.json, not "
+            f"{options.reward_key!r}"
+        )
     agent = agent_class(options.agent)
     agent_kwargs = default_agent_kwargs(agent, options.agent_kwargs)
     refuse_secrets(options.agent_kwargs, "--agent-kwarg")
@@ -119,6 +150,7 @@ def submit_run(
     if executor is Executor.LOCAL and scratch:
         check_scratch(Path(str(scratch)), options.environment)
     run_dir = run_dir.expanduser().absolute()
+    check_run_folder(run_dir, write=True)
     discovery = discover_tasks(tasks_dir, require_dockerfile=False)
     if discovery.problems:
         raise InputError(
@@ -127,6 +159,7 @@ def submit_run(
         )
     if not discovery.tasks:
         raise InputError(f"{tasks_dir}: no tasks (folders with task.toml) found")
+    refuse_unverifiable(discovery.tasks)
     check_agent(agent, options.agent, options.model, agent_kwargs, discovery.tasks[0])
     given_env = agent_env(options.agent_env)
     values = {name: value for name, value in given_env.items() if value is not None}
@@ -165,25 +198,64 @@ def submit_run(
                     f"{run_dir}: already holds a run with another {', '.join(differences)}",
                     hint="pick another --run-dir, or `harbor-hpc resubmit` to continue that run",
                 )
-            return _resubmit(run_dir, failed=False, dry_run=dry_run, env=values)
+            return _resubmit(
+                run_dir,
+                failed=False,
+                dry_run=dry_run,
+                env=values,
+                rerun_changed=options.rerun_changed,
+            )
+        now = _digests(run_dir, record)
+        digests = {task: digest for task, digest in now.items() if digest is not None}
         if not dry_run:
             create_run(run_dir, record)
         return _launch(
-            run_dir, record, record.units(), discovery.by_rel(), dry_run=dry_run, env=values
+            run_dir,
+            record,
+            record.units(),
+            discovery.by_rel(),
+            dry_run=dry_run,
+            env=values,
+            digests=digests,
         )
 
 
-def resubmit_run(run_dir: Path, *, failed: bool = False, dry_run: bool = False) -> SubmitResult:
+def resubmit_run(
+    run_dir: Path, *, failed: bool = False, dry_run: bool = False, rerun_changed: bool = False
+) -> SubmitResult:
     """Queue again the attempts without a finished trial (and with `failed`, the failed ones).
 
-    Attempts still pending or running are left alone; done ones are never run again.
+    Attempts still pending or running are left alone; done ones are never run again, unless
+    their task changed since the run ran it: then the run is refused (`TaskChangedError`), or
+    with `rerun_changed` every attempt of the changed tasks runs again.
     """
     run_dir = run_dir.expanduser().absolute()
     if dry_run:
-        return _resubmit(run_dir, failed=failed, dry_run=True)
+        return _resubmit(run_dir, failed=failed, dry_run=True, rerun_changed=rerun_changed)
     load_run(run_dir)  # a folder without a run is named as such, before any lock file is made
     with only_writer(run_dir):
-        return _resubmit(run_dir, failed=failed, dry_run=False)
+        return _resubmit(run_dir, failed=failed, dry_run=False, rerun_changed=rerun_changed)
+
+
+def _digests(run_dir: Path, record: RunRecord) -> dict[str, Digest | None]:
+    """Each task's digest now (None: its folder is gone), the run folder left out of any."""
+    return task_digests({task: record.task_path(task) for task in record.tasks}, skip=run_dir)
+
+
+def _changes(
+    run_dir: Path, record: RunRecord, now: dict[str, Digest | None]
+) -> list[tuple[str, list[str]]]:
+    """The tasks whose digest differs from the one the run recorded, with the parts that do
+    (a task never recorded, or gone now, is not compared)."""
+    recorded = read_task_hashes(run_dir)
+    changes = []
+    for task in record.tasks:
+        old, new = recorded.get(task), now.get(task)
+        if old is not None and new is not None:
+            parts = changed_parts(old, new, record.agent)
+            if parts:
+                changes.append((task, parts))
+    return changes
 
 
 @contextlib.contextmanager
@@ -202,10 +274,20 @@ def only_writer(run_dir: Path) -> Iterator[None]:
 
 
 def _resubmit(
-    run_dir: Path, *, failed: bool, dry_run: bool, env: Mapping[str, str] | None = None
+    run_dir: Path,
+    *,
+    failed: bool,
+    dry_run: bool,
+    env: Mapping[str, str] | None = None,
+    rerun_changed: bool = False,
 ) -> SubmitResult:
     record = load_run(run_dir)
     require_agent_env(record.agent_env, env)
+    now = _digests(run_dir, record)
+    changes = _changes(run_dir, record, now)
+    if changes and not rerun_changed:
+        raise TaskChangedError(run_dir, changes)
+    changed = {task for task, _ in changes}
     statuses = attempt_statuses(run_dir, record, live_jobs(record))
     units = []
     skipped = []
@@ -214,7 +296,7 @@ def _resubmit(
             status.failure in (FailureClass.INFRASTRUCTURE, FailureClass.IMAGE)
             or status.trial is None
         )
-        if lost or (failed and status.state == AttemptState.FAILED):
+        if status.task in changed or lost or (failed and status.state == AttemptState.FAILED):
             units.append(Unit(status.task, status.attempt))
         elif status.state in (AttemptState.PENDING, AttemptState.RUNNING):
             skipped.append(status)
@@ -226,8 +308,19 @@ def _resubmit(
         if not isinstance(loaded, Task):
             raise InputError(str(loaded), hint="fix the task, then resubmit again")
         tasks[task_rel] = loaded
-    result = _launch(run_dir, record, units, tasks, dry_run=dry_run, env=env)
+    # What the trials queued now run: the changed tasks as they are, and the tasks of a run
+    # made before runs recorded digests.
+    recorded = read_task_hashes(run_dir)
+    digests = {
+        task: digest
+        for task, digest in now.items()
+        if digest is not None and (task in changed or task not in recorded)
+    }
+    result = _launch(
+        run_dir, record, units, tasks, dry_run=dry_run, env=env, rerun=changed, digests=digests
+    )
     result.skipped = skipped
+    result.rerun = sorted(changed)
     return result
 
 
@@ -239,9 +332,13 @@ def _launch(
     *,
     dry_run: bool,
     env: Mapping[str, str] | None = None,
+    rerun: Collection[str] = (),
+    digests: Mapping[str, Digest] | None = None,
 ) -> SubmitResult:
     """Record image problems, group, chunk and size the runnable units, and queue them (with
-    `env`, the `--agent-env` values given, in the environment the jobs get)."""
+    `env`, the `--agent-env` values given, in the environment the jobs get); `rerun`: tasks
+    that changed, whose trials before this submission no longer count; `digests`: the tasks'
+    digests to record (tasks/digest.py) before anything is queued."""
     executor = choose_executor(str(record.options["executor"]))
     check, tools = reference_check(record.environment_kwargs), tools_check(record.agent)
     problems = {
@@ -262,6 +359,7 @@ def _launch(
             fresh.image_problems.pop(rel, None)
         fresh.image_problems.update(problems)
         number = len(fresh.submissions) + 1
+        fresh.rerun_from.update(dict.fromkeys(rerun, number))
         if groups:
             fresh.submissions.append(
                 Submission(
@@ -276,6 +374,7 @@ def _launch(
                     ],
                 )
             )
+    record_task_hashes(run_dir, dict(digests or {}))
     if not groups:
         return result
     result.submission = number
@@ -305,7 +404,7 @@ def _forget_run(run_dir: Path) -> None:
     """Leave no trace of a run nothing of which was queued: the folder as it was before (gone,
     when submit made it; what else it held stays)."""
     paths = RunPaths(run_dir)
-    for path in (paths.record, paths.lock, paths.submit_lock):
+    for path in (paths.record, paths.task_hashes, paths.lock, paths.submit_lock):
         path.unlink(missing_ok=True)  # a lock held still holds: its file may go
     shutil.rmtree(paths.submitit, ignore_errors=True)
     for folder in (paths.markers, paths.trials, run_dir):

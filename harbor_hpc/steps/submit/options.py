@@ -50,6 +50,12 @@ class SubmitOptions:
     # Refuse the whole run when a task's image is missing (the CLI reports such tasks and
     # runs the rest; a trainer's batch is refused before it starts).
     require_images: bool = False
+    # The key of the verifier's rewards (reward.json) that is each trial's reward; None:
+    # `reward`, else a lone value (docs/results.md, "Which reward").
+    reward_key: str | None = None
+    # Into an existing run: run again the tasks that changed since they were recorded (their
+    # instruction, task.toml, tests, environment...), where it would refuse them.
+    rerun_changed: bool = False
     # What harbor-hpc.toml may set; the .sif store is read from it when the environment is
     # placed (`placed_environment_kwargs`).
     CONFIGURED: ClassVar[tuple[str, ...]] = (
@@ -58,6 +64,7 @@ class SubmitOptions:
         "array_parallelism",
         "tasks_per_job",
         "concurrency",
+        "reward_key",
     )
 
     def to_json(self) -> dict[str, Any]:
@@ -78,6 +85,7 @@ class SubmitOptions:
             "sbatch_args": placement["sbatch_args"],
             "setup": placement["setup"],
             "group_readable": self.group_readable,
+            "reward_key": self.reward_key,
         }
 
 
@@ -137,6 +145,22 @@ def parse_key_values(pairs: list[str], what: str) -> dict[str, Any]:
 
 
 def placed_environment_kwargs(options: SubmitOptions) -> dict[str, Any]:
+    """`options`' environment kwargs with the .sif store and scratch folder chosen (`placed`)."""
+    return placed(
+        options.environment,
+        options.environment_kwargs,
+        cache_dir=options.cache_dir,
+        scratch_dir=options.scratch_dir,
+    )
+
+
+def placed(
+    environment: str,
+    environment_kwargs: dict[str, Any],
+    *,
+    cache_dir: Path | None,
+    scratch_dir: Path | None,
+) -> dict[str, Any]:
     """The environment kwargs with the .sif store and the scratch folder the user chose.
 
     The store is the one `convert` and `doctor` use. When none is chosen the environment picks
@@ -144,14 +168,13 @@ def placed_environment_kwargs(options: SubmitOptions) -> dict[str, Any]:
     rather than by --cache-dir, it goes only to an environment that takes it. Kwargs given by
     name win.
     """
-    kwargs = dict(options.environment_kwargs)
-    store = chosen_cache_dir(options.cache_dir)
+    kwargs = dict(environment_kwargs)
+    store = chosen_cache_dir(cache_dir)
     if store is not None and (
-        options.cache_dir is not None
-        or CACHE_KWARG
-        in accepted_environment_kwargs(import_class("--environment", options.environment))
+        cache_dir is not None
+        or CACHE_KWARG in accepted_environment_kwargs(import_class("--environment", environment))
     ):
         kwargs.setdefault(CACHE_KWARG, str(store.absolute()))
-    if options.scratch_dir is not None:
-        kwargs.setdefault("scratch_dir", str(options.scratch_dir.expanduser().absolute()))
+    if scratch_dir is not None:
+        kwargs.setdefault("scratch_dir", str(scratch_dir.expanduser().absolute()))
     return kwargs
