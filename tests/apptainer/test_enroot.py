@@ -20,7 +20,7 @@ from harbor_hpc.apptainer.runtime import container_runtime, find_apptainer
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.probe import Status
 from tests.support.environments import started
-from tests.support.processes import container_processes, gone_within
+from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 
 pytestmark = [pytest.mark.enroot, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -88,7 +88,7 @@ def test_a_task_under_enroot_sees_what_it_sees_under_apptainer(
     name, file = said["name"].split()
     assert name == file and name != os.uname().nodename
     assert said["pid1"].split()[1:3] == ["-I", "-S"]  # the command server, the container's init
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
     monkeypatch.undo()
     find_apptainer.cache_clear()
 

@@ -47,7 +47,7 @@ from harbor_hpc.apptainer.watchdog import process_tree
 from harbor_hpc.core.probe import Status
 from harbor_hpc.results.classify import outcome_of_trial
 from tests.support.environments import make_environment, started
-from tests.support.processes import container_processes, gone_within
+from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 from tests.support.users import other_user_command
 
 HARBOR = str(Path(sys.executable).parent / "harbor")
@@ -278,7 +278,7 @@ def test_oracle_plain_task(oracle_trials: dict[str, OracleTrial], debian_sif: Pa
     assert reward(trial.result) == 1.0
     # Root in the container, but what the trial left on the host is the user's.
     assert {path.stat().st_uid for path in trial.folder.rglob("*")} == {os.getuid()}
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
 
 
 @pytest.mark.apptainer
@@ -398,7 +398,7 @@ def test_memory_hog_is_killed_as_under_docker(debian_sif: Path, tmp_path: Path) 
     assert "memory" in message and "120 MB" in message and "114 MB" in message
     peak = int(message.split("peak of ")[1].split(" MB")[0])
     assert 114 < peak < 64 + 64 + 120  # two full tmpfs mounts and the processes under memory_mb
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
 
 
 # -- the environment's promises, driven directly ---------------------------------
@@ -660,7 +660,7 @@ def test_container_ends_when_its_host_dies_and_the_next_removes_its_folder(
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()  # whatever failed the test is not left behind
     assert left == []
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
     # What the killed host left in its scratch space goes with the next environment there.
     scratch = tmp_path / "scratch"
     (left_behind,) = scratch.glob("harbor-hpc-env-*")
@@ -877,7 +877,7 @@ def test_an_image_of_another_architecture_is_named_so(debian_sif: Path, tmp_path
     assert f"task unit: its image {foreign}: built for {other}" in said, said
     assert f"is {node} ({platform.machine()}) and cannot run its programs" in said, said
     assert f"--platform linux/{node}" in said
-    assert gone_within(10, lambda: container_processes(foreign)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(foreign)) == []
     assert foreign_architecture(debian_sif) is None
 
 
@@ -891,7 +891,7 @@ def test_image_with_neither_python_nor_bash_fails_clearly(tiny_sif: Path, tmp_pa
     said = "fakeroot: 7: cat: not found" if missing_subid_ranges() else "neither python3 nor bash"
     with pytest.raises(ContainerStartFailed, match=said):
         asyncio.run(environment.start(force_build=False))
-    assert gone_within(10, lambda: container_processes(tiny_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(tiny_sif)) == []
 
 
 @pytest.mark.apptainer
@@ -908,4 +908,4 @@ def test_setup_script_failure_raises_with_output(debian_sif: Path, tmp_path: Pat
         assert environment.process_pid is None
 
     asyncio.run(main())
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []

@@ -27,16 +27,11 @@ from harbor_hpc.apptainer.sif import root_partition
 from harbor_hpc.core.scratch import remove_private_dir
 from tests.support.cli import cli, cli_json
 from tests.support.environments import started
-from tests.support.processes import container_processes, gone_within, left_naming
+from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within, left_naming
 from tests.support.sample_tasks import make_task
 from tests.support.small_disk import small_disk
 
 pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
-
-# How soon a stopped container's processes are gone: on a loaded machine (a CI run) one was
-# still there 10 s after, its command line already empty, as a process's is while it exits.
-# One that never ends is still found.
-ENDED_WITHIN_S = 30
 
 
 def copy_of(sif: Path, folder: Path, name: str) -> Path:

@@ -23,7 +23,7 @@ from harbor_hpc.apptainer.errors import ContainerStartFailed
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.ray.host import CHUNK_BYTES
 from tests.ray.conftest import RayCluster
-from tests.support.processes import container_processes, gone_within
+from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 from tests.support.sample_tasks import answer_service
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
@@ -148,7 +148,7 @@ def test_commands_answer_as_in_the_local_environment(
     assert answer["timeout"] == "RuntimeError: Command timed out after 1 seconds"
     assert answer["node"] == ray_cluster["address"].rpartition(":")[0]
     # The container's processes are not the driver's: they run under the node's Ray host.
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
 
 
 POD = """

@@ -21,7 +21,7 @@ from harbor_hpc.slurm.cluster import queued_jobs
 from tests.ray.conftest import RayCluster
 from tests.ray.test_environment import drive, lines, next_line
 from tests.support.cli import cli, cli_json
-from tests.support.processes import container_processes, gone_within, named
+from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within, named
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -149,7 +149,7 @@ def test_a_killed_host_ends_its_environment_and_the_next_one_gets_a_new_host(
     assert "was lost: The actor died unexpectedly" in failed["error"]
     assert failed["after"] < 5 and stopped["stopped_after"] < 5
     assert again["again"] == "back\n"
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
 
 
 def kill_host_but_not_its_fuse_helpers(node_id: str) -> None:
@@ -174,7 +174,7 @@ def test_fuse_helpers_left_by_a_killed_starter_end_while_the_node_lives_on(
     assert_ended_naming_the_node(failed["error"], placed)
     assert again["again"] == "back\n"
     # The node's process took them in (a child subreaper) and ended them.
-    assert gone_within(10, lambda: container_processes(debian_sif)) == []
+    assert gone_within(ENDED_WITHIN_S, lambda: container_processes(debian_sif)) == []
 
 
 def lose_node(node_id: str) -> None:

@@ -23,6 +23,11 @@ import psutil
 from harbor_hpc.apptainer.runtime import FUSE_HELPERS
 
 # Apptainer's process that starts a container and stays its parent (and its FUSE helpers').
+# How soon a stopped container's processes are gone: on a loaded machine (a CI run) one was
+# still there 10 s after, its command line already empty, as a process's is while it exits.
+# One that never ends is still found.
+ENDED_WITHIN_S = 30
+
 STARTER = "starter"
 
 
