@@ -329,6 +329,13 @@ slurm_node_usable() {
   esac
 }
 slurmctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
+# start_slurmd: the one-node cluster's slurmd, with enroot (part 7c) on its PATH: pyxis (7d)
+# runs `enroot` from the PATH of slurmstepd, which slurmd starts.
+ENROOT_PREFIX=/opt/harbor-hpc-ci/enroot
+start_slurmd() {
+  clear_stale_pidfile /run/slurmd.pid slurmd
+  env PATH="$ENROOT_PREFIX/bin:$PATH" slurmd 9>&-
+}
 # slurm_conf KEY: KEY's value in the rendered slurm.conf (keys are case-insensitive there).
 slurm_conf() { awk -F= -v k="$1" 'tolower($1) == tolower(k) { print $2; exit }' /etc/slurm/slurm.conf; }
 # Another cluster's state in StateSaveLocation makes slurmctld refuse to start ("CLUSTER NAME
@@ -450,8 +457,7 @@ part_slurm() {
   if pid_alive /run/slurmd.pid slurmd; then
     notes+=("slurmd reused")
   else
-    clear_stale_pidfile /run/slurmd.pid slurmd
-    slurmd 9>&-
+    start_slurmd
     notes+=("slurmd started")
   fi
   local i state reason resumed="" left
@@ -463,8 +469,7 @@ part_slurm() {
     state=$(slurm_node_state)
     # slurmd gone (it exits when it cannot register): start it again, now and then.
     if ((i % 10 == 9)) && ! pgrep -x slurmd >/dev/null; then
-      clear_stale_pidfile /run/slurmd.pid slurmd
-      slurmd 9>&- || true
+      start_slurmd || true
     fi
     case "$state" in
       idle | mix | alloc | comp) break ;;
@@ -1141,7 +1146,6 @@ bg_trl() {
 # no package registry here has them; their released sources and build script are in the
 # workspace's shared/vendor beside the checkout (HARBOR_HPC_CI_VENDOR names another). Off PATH:
 # the enroot stage of .ci/run puts it there, the other stages run Apptainer.
-ENROOT_PREFIX=/opt/harbor-hpc-ci/enroot
 part_enroot() {
   local vendor=${HARBOR_HPC_CI_VENDOR:-$(dirname "$REPO_DIR")/shared/vendor}
   if [ -x "$ENROOT_PREFIX/bin/enroot" ] && "$ENROOT_PREFIX/bin/enroot" version 2>/dev/null | grep -qx 4.1.2; then
@@ -1152,6 +1156,42 @@ part_enroot() {
   (cd / && bash "$vendor/build.sh" "$ENROOT_PREFIX") >"$LOGS/enroot-build.log" 2>&1 ||
     die "building enroot failed: $(tail -n 5 "$LOGS/enroot-build.log")"
   PART_NOTE="$(tail -n 1 "$LOGS/enroot-build.log")"
+}
+
+# ----------------------------------------------------------------------------------------------
+# 7d. pyxis in the one-node cluster (issue 57), as on GPU clusters that run jobs in enroot
+# containers (`srun --container-image=IMAGE.sqsh`): loaded by plugstack.conf (Debian's includes
+# plugstack.conf.d) into srun, sbatch, slurmd and each job step; enroot.conf as such a site sets
+# it, the users' containers in folders of their own. The other clusters load no plug-in.
+PYXIS_CONF=/etc/slurm/plugstack.conf.d/pyxis.conf
+part_pyxis() {
+  local line="required $ENROOT_PREFIX/lib/slurm/spank_pyxis.so runtime_path=/run/pyxis" pid i
+  local notes=()
+  [ -f "$ENROOT_PREFIX/lib/slurm/spank_pyxis.so" ] || die "no pyxis in $ENROOT_PREFIX (part 7c)"
+  install -d -m 1777 /var/tmp/enroot-site
+  cat >"$ENROOT_PREFIX/etc/enroot/enroot.conf.d/50-site.conf" <<'EOF'
+ENROOT_RUNTIME_PATH /var/tmp/enroot-site/runtime-$(id -u)
+ENROOT_CACHE_PATH /var/tmp/enroot-site/cache-$(id -u)
+ENROOT_DATA_PATH /var/tmp/enroot-site/data-$(id -u)
+EOF
+  mkdir -p /etc/slurm/plugstack.conf.d
+  grep -qsxF 'include /etc/slurm/plugstack.conf.d/*.conf' /etc/slurm/plugstack.conf ||
+    echo 'include /etc/slurm/plugstack.conf.d/*.conf' >>/etc/slurm/plugstack.conf
+  pid=$(cat /run/slurmd.pid 2>/dev/null || true)
+  if [ "$(cat "$PYXIS_CONF" 2>/dev/null)" != "$line" ] ||
+    ! tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -q "^PATH=$ENROOT_PREFIX/bin:"; then
+    echo "$line" >"$PYXIS_CONF"
+    stop_pid /run/slurmd.pid slurmd || true
+    start_slurmd
+    for ((i = 0; i < 120; i++)); do
+      case $(slurm_node_state) in idle | mix | alloc | comp) break ;; esac
+      sleep 0.5
+    done
+    notes+=("loaded, slurmd restarted")
+  else
+    notes+=("reused")
+  fi
+  PART_NOTE="${notes[*]} ($PYXIS_CONF)"
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -1213,6 +1253,7 @@ timed "5d egress test host" part_egress_host
 timed "5e multi-node slurm" part_multinode
 timed "5f slurm with low limits" part_limits
 timed "5g enroot" part_enroot
+timed "5h pyxis" part_pyxis
 bg_wait 6a-rootfs-python
 bg_wait 6b-rootfs-nopython
 timed "6c base images" part_images

@@ -77,6 +77,7 @@ PARTS = (
     "limits",
     "trl",
     "enroot",
+    "pyxis",
 )
 
 
@@ -103,6 +104,8 @@ def missing(part: str) -> str | None:
         return _trl_missing()
     if part == "enroot":
         return _enroot_missing()
+    if part == "pyxis":
+        return _enroot_missing() or _pyxis_missing()
     return doctor.part_problem(part)
 
 
@@ -110,6 +113,17 @@ def _enroot_missing() -> str | None:
     """enroot on PATH (CI's enroot stage puts the one .ci/provision.sh builds there)."""
     if find_enroot() is None:
         return "enroot is not on PATH (.ci/provision.sh builds it: HARBOR_HPC_TEST_ENROOT_BIN)"
+    return None
+
+
+def _pyxis_missing() -> str | None:
+    """pyxis loaded into the one-node cluster (.ci/provision.sh, 7d): srun takes its options."""
+    try:
+        said = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"srun --help: {exc}"
+    if "--container-image" not in said.stdout + said.stderr:
+        return "srun has no --container-image: pyxis is not in plugstack.conf (.ci/provision.sh)"
     return None
 
 

@@ -473,7 +473,7 @@ class Container:
             line = raw.decode(errors="replace").rstrip()
             if line and "gocryptfs not found" not in line:
                 self._stderr_tail.append(line)
-                self.logger.debug("[apptainer] %s", line)
+                self.logger.debug("[%s] %s", self.runtime, line)
 
     async def _drain_stderr(self) -> None:
         if self._stderr_task is not None:

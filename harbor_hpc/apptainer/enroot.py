@@ -104,6 +104,24 @@ def sysconf(folder: Path) -> Path:
     return target
 
 
+def private_env(sysconf_dir: Path, data: Path) -> list[str]:
+    """What enroot runs with (`env -i`): the node's PATH, LANG and TMPDIR, our configuration
+    (`sysconf_dir`) and folders (under `data`), so that no site enroot.conf (its runtime and
+    data paths, pyxis's) nor the user's own settings change what our containers get."""
+    passed = [f"{name}={os.environ[name]}" for name in _PASSED if name in os.environ]
+    return [
+        *passed,
+        "ENROOT_ALLOW_SUPERUSER=y",
+        f"ENROOT_SYSCONF_PATH={sysconf_dir}",
+        f"ENROOT_CONFIG_PATH={sysconf_dir}/none",
+        f"ENROOT_DATA_PATH={data}",
+        f"ENROOT_RUNTIME_PATH={data / 'enroot'}",
+        f"ENROOT_CACHE_PATH={data / 'enroot'}",
+        "ENROOT_ROOTFS_WRITABLE=y",
+        "ENROOT_LOGIN_SHELL=n",
+    ]
+
+
 def container_command(
     merged: Path,
     command: Sequence[str],
@@ -133,17 +151,7 @@ def container_command(
             "GPUs are not passed to enroot's containers yet",
             hint="run GPU tasks on nodes with Apptainer (runtime=apptainer)",
         )
-    enroot_env = [f"{name}={os.environ[name]}" for name in _PASSED if name in os.environ]
-    enroot_env += [
-        "ENROOT_ALLOW_SUPERUSER=y",
-        f"ENROOT_SYSCONF_PATH={sysconf_dir}",
-        f"ENROOT_CONFIG_PATH={sysconf_dir}/none",
-        f"ENROOT_DATA_PATH={merged.parent}",
-        f"ENROOT_RUNTIME_PATH={merged.parent / 'enroot'}",
-        f"ENROOT_CACHE_PATH={merged.parent / 'enroot'}",
-        "ENROOT_ROOTFS_WRITABLE=y",
-        "ENROOT_LOGIN_SHELL=n",
-    ]
+    enroot_env = private_env(sysconf_dir, merged.parent)
     if not subids:
         enroot_env.append("HARBOR_HPC_ONE_ID=y")
     unshare = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts"]

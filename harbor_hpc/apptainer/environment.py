@@ -73,6 +73,7 @@ from harbor_hpc.apptainer.limits import (
     FULL_BELOW_BYTES,
     IN_MEMORY,
     ONE_ID,
+    ONE_ID_ENROOT,
     ROOT_MAPPED,
     WRITABLE_TMPFS,
     disk_full,
@@ -362,9 +363,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     @classmethod
     @override
     def preflight(cls, kwargs: dict[str, Any] | None = None) -> None:
-        """Before Harbor queues any trial: is there an Apptainer that starts, to run them with?"""
+        """Before Harbor queues any trial: is there a runtime that starts (Apptainer, or enroot
+        where that is the `runtime`), to run them with?"""
         super().preflight(kwargs)
-        problem = install_problem()
+        problem = install_problem((kwargs or {}).get("runtime"))
         if problem is not None:
             raise SystemExit(problem)
 
@@ -502,6 +504,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             limits.append(AS_YOU)
         if ROOT_MAPPED in self._main.stderr_text():
             limits.append(ONE_ID)
+        if self._main.runtime == "enroot" and self._holder and not self._holder.subids:
+            limits.append(ONE_ID_ENROOT)
         if self._network_problem is not None:
             limits.append(node_network(self._network_problem))
         if writes_in_memory():
@@ -546,7 +550,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 self.logger.info(
                     "task %s: container root: %s%s",
                     self.environment_name,
-                    path.describe(),
+                    path.describe(self._main.runtime),
                     ", started by enroot" if enroot else "",
                 )
                 return ()

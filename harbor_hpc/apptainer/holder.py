@@ -85,12 +85,17 @@ class RootPath:
     why: str = ""
     subids: bool = True  # the namespaces map the user's /etc/subuid range (else root alone)
 
-    def describe(self) -> str:
-        ids = (
-            ""
-            if self.subids
-            else " (root alone: no /etc/subuid range; Apptainer's fakeroot command fakes the rest)"
-        )
+    def describe(self, runtime: str = "apptainer") -> str:
+        """In the words of the trial's log and doctor, for the containers `runtime` starts."""
+        ids = ""
+        if not self.subids:
+            rest = (
+                "Apptainer's fakeroot command fakes the rest"
+                if runtime == "apptainer"
+                else "enroot has no fakeroot command: chown to the image's other users, and "
+                "useradd, fail"
+            )
+            ids = f" (root alone: no /etc/subuid range; {rest})"
         if self.own:
             return f"the kernel's overlay (userxattr) in a user namespace of its own{ids}"
         return f"Apptainer's own overlay on the .sif ({self.why})"

@@ -21,6 +21,11 @@ ONE_ID = (
     "one id in the container (without an /etc/subuid range Apptainer maps root alone and fakes "
     "the rest): files that the task's other users create belong to root"
 )
+ONE_ID_ENROOT = (
+    "one id in the container (without an /etc/subuid range enroot maps root alone and has no "
+    "fakeroot command): files cannot be given to the task's other users (chown: Invalid "
+    "argument), and useradd fails"
+)
 IN_MEMORY = (
     "writes in memory: its scratch folder (its writable layer, /tmp) is on a tmpfs, which its "
     "memory_mb does not count"

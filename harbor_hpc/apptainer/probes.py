@@ -28,7 +28,7 @@ from pathlib import Path
 
 from harbor_hpc.apptainer import gpus
 from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
-from harbor_hpc.apptainer.enroot import find_enroot
+from harbor_hpc.apptainer.enroot import find_enroot, private_env
 from harbor_hpc.apptainer.holder import root_path
 from harbor_hpc.apptainer.limits import ONE_ID
 from harbor_hpc.apptainer.network import (
@@ -130,18 +130,19 @@ def findings(cache_dir: Path) -> list[Finding]:
 def enroot_findings() -> list[Finding]:
     """enroot as the runtime (enroot.py): it starts containers on a root of our own only, so
     that root's path must be open here; GPUs are not passed to its containers yet."""
-    binary = find_enroot()
-    if binary is None:
-        return [Finding("runtime", Status.MISSING, "enroot is not on PATH", "`module load enroot`")]
-    version = run([binary, "version"])
-    if not version.ok:
-        return [Finding("runtime", Status.MISSING, f"enroot: {version.why()}", _BROKEN_FIX)]
+    (install,) = enroot_install_findings()
+    if install.status is Status.MISSING:
+        return [install]
+    try:
+        beside = f"; Apptainer too ({find_apptainer()}): runtime=apptainer takes it"
+    except HarborHpcError:
+        beside = ", no Apptainer"
     found = [
-        Finding("runtime", Status.OK, f"enroot {version.stdout.strip()} ({binary}), no Apptainer"),
+        Finding(install.name, install.status, install.detail + beside),
         userns_finding(),
         subid_finding(),
     ]
-    root = container_root_finding()
+    root = container_root_finding("enroot")
     if root.status is not Status.OK:
         root = Finding(
             "container root",
@@ -169,6 +170,19 @@ def enroot_findings() -> list[Finding]:
 _VERSION_FIX = (
     "load a newer Apptainer (`module load apptainer`), or name one with HARBOR_HPC_APPTAINER"
 )
+
+
+def enroot_install_findings() -> list[Finding]:
+    """The enroot binary (on PATH or HARBOR_HPC_ENROOT), and whether it starts at all."""
+    binary = find_enroot()
+    if binary is None:
+        return [Finding("runtime", Status.MISSING, "enroot is not on PATH", "`module load enroot`")]
+    with tempfile.TemporaryDirectory(prefix="harbor-hpc-enroot-") as folder:
+        # As our containers run it: the site's enroot.conf is not theirs (enroot.private_env).
+        version = run(["env", "-i", *private_env(Path(folder), Path(folder)), binary, "version"])
+    if not version.ok:
+        return [Finding("runtime", Status.MISSING, f"enroot: {version.why()}", _BROKEN_FIX)]
+    return [Finding("runtime", Status.OK, f"enroot {version.stdout.strip()} ({binary})")]
 
 
 def install_findings() -> list[Finding]:
@@ -201,9 +215,15 @@ def install_findings() -> list[Finding]:
     return [Finding("binary", Status.OK, binary), found]
 
 
-def install_problem() -> str | None:
-    """None when an Apptainer binary is there and starts, else what is wrong and the fix."""
-    for finding in install_findings():
+def install_problem(runtime: str | None = None) -> str | None:
+    """None when the runtime that starts this node's containers (`container_runtime`, with
+    the environment's `runtime` setting) is there and starts, else what is wrong and the fix."""
+    try:
+        chosen = container_runtime(runtime)
+    except HarborHpcError as exc:
+        return f"{exc.message}; {exc.hint}"
+    install = install_findings() if chosen == "apptainer" else enroot_install_findings()
+    for finding in install:
         if finding.status is Status.MISSING:
             return f"{finding.detail}; {finding.fix}"
     return None
@@ -297,12 +317,12 @@ def subid_finding() -> Finding:
     return Finding("fakeroot ids", Status.OK, f"{user} has subuid and subgid ranges")
 
 
-def container_root_finding() -> Finding:
+def container_root_finding(runtime: str = "apptainer") -> Finding:
     """Which path a task container's root takes on this node, and why not a faster one
     (holder.py), for the scratch folder trials use by default ($TMPDIR)."""
     path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
     if path.own:
-        return Finding("container root", Status.OK, path.describe())
+        return Finding("container root", Status.OK, path.describe(runtime))
     hint = (
         "the subuid and subgid ranges above"
         if "subuid" in path.why

@@ -110,7 +110,8 @@ RUNTIME_ENV = "HARBOR_HPC_RUNTIME"
 def container_runtime(setting: str | None = None) -> str:
     """What starts this node's containers: `setting` (the environment's `runtime`), else
     $HARBOR_HPC_RUNTIME, else the config file's `runtime`; `auto` (the default) is Apptainer
-    where there is one (on PATH, or `HARBOR_HPC_APPTAINER`), else enroot where there is that."""
+    where there is one (on PATH, or `HARBOR_HPC_APPTAINER`), else enroot where there is that;
+    neither is a HarborHpcError naming both."""
     chosen = setting or os.environ.get(RUNTIME_ENV) or load_config().values.get("runtime")
     chosen = chosen or "auto"
     if chosen not in (*RUNTIMES, "auto"):
@@ -125,6 +126,12 @@ def container_runtime(setting: str | None = None) -> str:
     except HarborHpcError:
         if find_enroot() is not None:
             return "enroot"
+        raise HarborHpcError(
+            "no container runtime here: neither Apptainer (apptainer, singularity) nor enroot "
+            "is on PATH",
+            hint="load one (`module load apptainer`, `module load enroot`), or name it with "
+            "HARBOR_HPC_APPTAINER or HARBOR_HPC_ENROOT",
+        ) from None
     return "apptainer"
 
 

@@ -48,7 +48,7 @@ from harbor_hpc.results.record import seal, waiting_for
 from harbor_hpc.sandbox.agent import AGENT, HANDOFFS, Handoff
 from harbor_hpc.sandbox.loop import on_sandbox_loop, run_async, run_sync
 from harbor_hpc.steps.rollouts import Backend, python_words
-from harbor_hpc.steps.submit.checks import check_environment, verifier_problem
+from harbor_hpc.steps.submit.checks import check_environment, preflight, verifier_problem
 from harbor_hpc.steps.submit.options import placed
 from harbor_hpc.tasks.discovery import Task, TaskProblem, load_task
 
@@ -436,7 +436,8 @@ class SandboxPool:
                 cache_dir=options.cache_dir,
                 scratch_dir=options.scratch_dir,
             )
-            check_environment(self._environment, self._kwargs)
+            found = check_environment(self._environment, self._kwargs)
+            preflight(found, self._kwargs, here=backend is Backend.LOCAL)
         # Harbor's trial (and the model clients it imports: seconds) here, not on the loop.
         import harbor.trial.trial  # noqa: F401
 

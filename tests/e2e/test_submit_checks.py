@@ -8,6 +8,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -20,6 +21,7 @@ from harbor.environments.base import BaseEnvironment
 from harbor_hpc.api import InputError, RolloutRequest, run_rollouts, run_status
 from harbor_hpc.apptainer.environment import SingularityEnvironment
 from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.core.imports import import_class
 from harbor_hpc.steps.submit.checks import image_problem, reference_check
 from harbor_hpc.tasks.discovery import Task, load_task
@@ -344,6 +346,40 @@ def test_a_task_without_tests_test_sh_is_named_before_the_batch(tmp_path: Path) 
     with pytest.raises(InputError, match=said):
         run_rollouts(request)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_local_batch_where_no_container_runtime_is_is_refused_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Neither Apptainer nor enroot on this node: a local batch is refused once, in one line
+    naming both, before any trial (the environment's preflight, as Harbor calls it), where
+    every trial failed with "neither apptainer nor singularity is on PATH"; a Slurm batch's
+    nodes are not this one, and a dry run queues nothing here."""
+    sif = tmp_path / "there.sif"
+    sif.write_text("")
+    make_task(tmp_path / "tasks", "a", image=str(sif))
+    for name in ("HARBOR_HPC_APPTAINER", "HARBOR_HPC_ENROOT", "HARBOR_HPC_RUNTIME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # this Python, no runtime
+    said = "no container runtime here: neither Apptainer (apptainer, singularity) nor enroot"
+    command = [sys.executable, "-m", "harbor_hpc", "submit", str(tmp_path / "tasks")]
+    command += ["--agent", "oracle", "--executor", "local", "--run-dir", str(tmp_path / "run")]
+    refused = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert refused.returncode == 2, refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and said in lines[0] and "module load" in lines[0], refused.stderr
+    assert not (tmp_path / "run").exists()
+
+    find_apptainer.cache_clear()  # asked once per process
+    try:
+        request = RolloutRequest(tasks=tmp_path / "tasks", run_dir=tmp_path / "run", agent="oracle")
+        with pytest.raises(InputError, match=re.escape(said)):
+            run_rollouts(request)
+        assert not (tmp_path / "run").exists()
+        assert submit(tmp_path).returncode == 0  # a dry run: nothing to start here
+    finally:
+        monkeypatch.undo()
+        find_apptainer.cache_clear()
 
 
 @pytest.mark.other_user

@@ -56,6 +56,39 @@ ENTRYPOINT ["/bin/sh", "-c", \
 FIDELITY_TAG = "harbor-hpc-test/fidelity:bookworm"
 
 
+# A trainer's image for pyxis (`srun --container-image`): Slurm's client and munge's library, to
+# queue arrays from inside; what our environment needs to start sandboxes there with enroot
+# (squashfuse, fuse-overlayfs, slirp4netns) and enroot's own libraries. The trainer's Python
+# and harbor-hpc come from the host (--container-mounts), as a lab's shared venv does.
+TRAINER_DOCKERFILE = """\
+FROM {base}
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+    slurm-client libmunge2 squashfuse fuse-overlayfs fuse3 slirp4netns libbsd0 jq gawk \
+    && rm -rf /var/lib/apt/lists/*
+"""
+TRAINER_TAG = "harbor-hpc-test/trainer:bookworm"
+
+
+def build_trainer_sqsh(sqsh: Path, env: Mapping[str, str]) -> Path:
+    """The trainer's image (TRAINER_DOCKERFILE) as enroot's `sqsh`, made as a pyxis user
+    makes one: `enroot import` from the local Docker daemon."""
+    import docker
+
+    client = docker.from_env()
+    dockerfile = TRAINER_DOCKERFILE.format(
+        base=env.get("HARBOR_HPC_TEST_BASE_IMAGE", "local/debian:bookworm")
+    )
+    try:
+        client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=TRAINER_TAG, rm=True)
+    finally:
+        client.close()
+    made = run(
+        ["enroot", "import", "-o", str(sqsh), f"dockerd://{TRAINER_TAG}"], timeout=600, env=env
+    )
+    assert made.ok, f"enroot import of {TRAINER_TAG}: {made.why()}"
+    return sqsh
+
+
 def build_sif(
     sif: Path, image: str, *, env: Mapping[str, str] | None = None, background: bool = False
 ) -> Path:

@@ -239,10 +239,8 @@ def default_agent_kwargs(agent: type, kwargs: dict[str, Any]) -> dict[str, Any]:
 # factory's (harbor/environments/factory.py) `stream`, which import-path environments refuse. The
 # factory's others (override_cpus..., the enforcement policies, persistent_env,
 # extra_docker_compose) come from TrialConfig.environment, which user kwargs override: allowed.
-def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
-    """Refuse an environment that does not import, or kwargs it does not take; and for
-    environments on a Ray cluster, a cluster that does not answer (their preflight, as Harbor
-    calls it before a job)."""
+def check_environment(environment: str, kwargs: dict[str, Any]) -> type:
+    """Refuse an environment that does not import, or kwargs it does not take; the class."""
     found = import_class("--environment", environment)
     accepted = accepted_environment_kwargs(found)
     unknown = sorted(set(kwargs) - set(accepted))
@@ -252,15 +250,27 @@ def check_environment(environment: str, kwargs: dict[str, Any]) -> None:
             f"takes: {', '.join(accepted) or 'none'}"
         )
     _check_values(found, environment, kwargs)
-    if issubclass(found, RaySingularityEnvironment):
-        try:
-            found.preflight(kwargs)
-        except SystemExit as refused:
-            said = str(refused.code)
-            hint = "start one with `harbor-hpc ray up`, or fix --environment-kwarg ray_address"
-            raise InputError(
-                said, hint=None if "ray up" in said else f"{hint} (or ray_cluster_dir)"
-            ) from None
+    return found
+
+
+def preflight(found: type, kwargs: dict[str, Any], *, here: bool) -> None:
+    """The environment class's preflight, as Harbor calls it before a job, where it checks what
+    the batch uses: for environments that run `here` (the local executor: no container runtime
+    on this node, say), and for those on a Ray cluster (a cluster that does not answer). A
+    Slurm batch's nodes are not this one: their trials say what they lack."""
+    on_ray = issubclass(found, RaySingularityEnvironment)
+    check = getattr(found, "preflight", None)  # Harbor's BaseEnvironment has one
+    if not (here or on_ray) or check is None:
+        return
+    try:
+        check(kwargs)
+    except SystemExit as refused:
+        said = str(refused.code)
+        hint = None
+        if on_ray and "ray up" not in said:
+            hint = "start one with `harbor-hpc ray up`, or fix --environment-kwarg ray_address "
+            hint += "(or ray_cluster_dir)"
+        raise InputError(said, hint=hint) from None
 
 
 def check_scratch(scratch: Path, environment: str) -> None:

@@ -48,6 +48,7 @@ from harbor_hpc.steps.submit.checks import (
     check_scratch,
     default_agent_kwargs,
     image_problem,
+    preflight,
     reference_check,
     refuse_secrets,
     refuse_unverifiable,
@@ -144,7 +145,7 @@ def submit_run(
     refuse_secrets(options.agent_kwargs, "--agent-kwarg")
     refuse_secrets(options.environment_kwargs, "--environment-kwarg")
     environment_kwargs = placed_environment_kwargs(options)
-    check_environment(options.environment, environment_kwargs)
+    environment = check_environment(options.environment, environment_kwargs)
     executor = choose_executor(options.executor)
     scratch = environment_kwargs.get("scratch_dir")  # --scratch-dir, or an environment kwarg
     if executor is Executor.LOCAL and scratch:
@@ -173,6 +174,8 @@ def submit_run(
                 hint="build, convert or rewrite them first; nothing was queued",
             )
     check_route(options.model, agent_kwargs)
+    # A dry run queues nothing here: what this node lacks to run the trials is not asked.
+    preflight(environment, environment_kwargs, here=executor is Executor.LOCAL and not dry_run)
     if options.model_check:
         check_model_server(options.model, agent_kwargs, values)
     record = RunRecord(
