@@ -76,7 +76,7 @@ def test_no_tools_json_lists_every_check(tmp_path: Path) -> None:
     assert statuses["slurm"] == {"missing"}
     assert "docker" not in statuses  # the cluster role does not look at the build machine
     assert statuses["harbor"] == {"ok"}
-    assert "Apptainer, Slurm missing" in " ".join(done.stderr.split())
+    assert "Containers (Apptainer or enroot), Slurm missing" in " ".join(done.stderr.split())
 
 
 def test_broken_apptainer_install_is_missing_with_its_error(tmp_path: Path) -> None:

@@ -83,7 +83,7 @@ PART_ROLE: dict[Part, Role] = {
     Part.PYTHON: Role.ALL,
 }
 PART_TITLES: dict[Part, str] = {
-    Part.APPTAINER: "Apptainer",
+    Part.APPTAINER: "Containers (Apptainer or enroot)",
     Part.SLURM: "Slurm",
     Part.DOCKER: "Docker",
     Part.APPTAINER_BUILD: "Apptainer builds",
