@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import struct
 import subprocess
@@ -77,13 +78,20 @@ def test_missing_sif_is_image_unavailable(tmp_path: Path) -> None:
         asyncio.run(environment.start(force_build=False))
 
 
-def test_preflight_names_the_missing_apptainer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_preflight_names_the_missing_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither runtime here: `auto` names both; a runtime set names its own."""
     find_apptainer.cache_clear()
     monkeypatch.setenv("PATH", "/nonexistent")
-    monkeypatch.delenv("HARBOR_HPC_APPTAINER", raising=False)
+    for name in ("HARBOR_HPC_APPTAINER", "HARBOR_HPC_ENROOT", "HARBOR_HPC_RUNTIME"):
+        monkeypatch.delenv(name, raising=False)
     try:
-        with pytest.raises(SystemExit, match="neither apptainer nor singularity"):
+        both = "no container runtime here: neither Apptainer (apptainer, singularity) nor enroot"
+        with pytest.raises(SystemExit, match=re.escape(both)):
             SingularityEnvironment.preflight()
+        with pytest.raises(SystemExit, match="neither apptainer nor singularity is on PATH"):
+            SingularityEnvironment.preflight({"runtime": "apptainer"})
+        with pytest.raises(SystemExit, match="enroot is not on PATH"):
+            SingularityEnvironment.preflight({"runtime": "enroot"})
     finally:
         find_apptainer.cache_clear()
 
