@@ -59,6 +59,7 @@ from tests.support.images import (
     TinyImage,
     build_debian_sif,
     build_fidelity_sif,
+    session_builder,
 )
 from tests.support.small_disk import small_disk_problem
 from tests.support.users import lab_group_problem, other_user_problem
@@ -359,6 +360,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     wanted = dict.fromkeys(name for name in used if name in _AHEAD)
     if wanted and missing("apptainer") is None and missing("docker") is None:
         env = dict(os.environ)  # as it is now: tests change os.environ while the builds run
+        session_builder()  # and hide Apptainer from find_apptainer: asked now, once
         for name in wanted:
             _built[name] = _builder.submit(_build_once, name, env, background=True)
 

@@ -13,9 +13,15 @@ import io
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import build_command
+from harbor_hpc.apptainer.runtime import (
+    Compression,
+    build_command,
+    find_apptainer,
+    sif_compression,
+)
 from harbor_hpc.core.proc import run
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
@@ -89,12 +95,23 @@ def build_trainer_sqsh(sqsh: Path, env: Mapping[str, str]) -> Path:
     return sqsh
 
 
+@cache
+def session_builder() -> tuple[str, Compression]:
+    """The apptainer and the compression of this test process's image builds, asked once,
+    before any test runs (tests/conftest.py): tests hide Apptainer from the process (PATH,
+    HARBOR_HPC_APPTAINER, find_apptainer's cache) while background builds run."""
+    return find_apptainer(), sif_compression()
+
+
 def build_sif(
     sif: Path, image: str, *, env: Mapping[str, str] | None = None, background: bool = False
 ) -> Path:
     """`apptainer build` of the local Docker `image` into `sif`, compressed as the store's images
     are, readable by every local user; in the `background`, at the lowest CPU priority."""
-    build = build_command("-F", str(sif), f"docker-daemon://{image}")
+    binary, compression = session_builder()
+    build = build_command(
+        "-F", str(sif), f"docker-daemon://{image}", binary=binary, compression=compression
+    )
     built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
     assert built.ok, f"apptainer build of {image}: {built.why()}"
     sif.chmod(0o755)
