@@ -4,8 +4,11 @@ Ray drivers talk to a raylet of their own machine: a trainer on a login node, or
 outside the cluster of `ray up`, has none, and `ray.init` would end its process. `start` gives
 it one (`ray start --num-cpus=0 --num-gpus=0`, so that nothing is placed there), at the address
 this machine reaches the cluster from, with its files in a private temporary folder. The node
-is tied to the driver by a pipe: when the driver ends, however it ends, the node ends and its
-folder goes (`python -m harbor_hpc.ray.local_node ADDRESS IP` is that node's keeper). What
+is tied to the driver: when the driver ends, however it ends, the node ends and its folder goes
+(`python -m harbor_hpc.ray.local_node ADDRESS IP DRIVER_PID` is that node's keeper, a child of
+the driver that watches it is still its parent). Not by a pipe from the driver: the driver's
+end is an fd among those of Ray's and gRPC's threads, and a node in CI was stopped 2 s after it
+joined, under a live driver, by nothing else than its keeper reading that pipe as closed. What
 `ray start` prints (its banner) goes to a log in that folder, never to the driver's stdout (a
 trainer's may be JSON lines); the log's tail goes to stderr should the node fail.
 """
@@ -25,7 +28,9 @@ from harbor_hpc.ray.node import stop_ray
 
 # How long the node may take to join before the driver gives up.
 JOIN_TIMEOUT_S = 60.0
-# The keepers of this process's nodes: their stdin is the pipe that holds each one.
+# How often a keeper looks whether its driver still runs.
+WATCH_S = 0.5
+# The keepers of this process's nodes.
 _keepers: list[subprocess.Popen[bytes]] = []
 
 
@@ -42,9 +47,9 @@ def start(address: str, ip: str, alive: Callable[[], set[str]]) -> None:
     """Start this machine's node of the cluster at `address`, at `ip`, and wait until `alive()`
     (the cluster's alive node addresses) counts it; a RuntimeError says why it did not join."""
     keeper = subprocess.Popen(
-        [sys.executable, "-m", "harbor_hpc.ray.local_node", address, ip],
-        stdin=subprocess.PIPE,
-        start_new_session=True,  # Ctrl-C at the driver's terminal reaches it through the pipe
+        [sys.executable, "-m", "harbor_hpc.ray.local_node", address, ip, str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C at the driver's terminal: the driver's end, then its
     )
     _keepers.append(keeper)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -56,7 +61,7 @@ def start(address: str, ip: str, alive: Callable[[], set[str]]) -> None:
         time.sleep(0.5)
 
 
-def main(address: str, ip: str) -> int:
+def main(address: str, ip: str, driver: int) -> int:
     private = PrivateDir("harbor-hpc-ray-driver-")
     env = dict(os.environ, RAY_TMPDIR=str(private.path))
     log_path = private.path / "ray-start.log"
@@ -74,14 +79,18 @@ def main(address: str, ip: str) -> int:
         stderr=subprocess.STDOUT,
     )  # fmt: skip
 
-    def driver_gone() -> None:
-        sys.stdin.buffer.read()  # returns when the driver's end of the pipe closes
+    driver_gone = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == driver:  # once the driver ended, another process adopted this one
+            time.sleep(WATCH_S)
+        driver_gone.set()
         ray.terminate()
 
-    threading.Thread(target=driver_gone, daemon=True).start()
+    threading.Thread(target=watch, daemon=True).start()
     try:
         code = ray.wait()
-        if code not in (0, -15):  # not ended by the driver's going (SIGTERM)
+        if not driver_gone.is_set():  # Ray ends with 1 when stopped: only its own end is news
             tail = log_path.read_text(errors="replace").splitlines()[-20:]
             sys.stderr.write(f"ray start ({ip}) ended with {code}:\n" + "\n".join(tail) + "\n")
         return code
@@ -92,4 +101,4 @@ def main(address: str, ip: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
