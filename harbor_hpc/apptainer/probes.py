@@ -49,6 +49,7 @@ from harbor_hpc.apptainer.runtime import (
     TESTED,
     ZSTD_MINIMUM,
     Compression,
+    apptainer_here,
     apptainer_version,
     build_command,
     container_runtime,
@@ -142,6 +143,8 @@ def enroot_findings() -> list[Finding]:
         userns_finding(),
         subid_finding(),
     ]
+    if not apptainer_here():
+        found.append(layer_convert_finding())
     root = container_root_finding("enroot")
     if root.status is not Status.OK:
         root = Finding(
@@ -165,6 +168,23 @@ def enroot_findings() -> list[Finding]:
             "run them on nodes with Apptainer (runtime=apptainer)",
         ),
     ]
+
+
+def layer_convert_finding() -> Finding:
+    """`convert` where there is no Apptainer: the image's layers laid out and squashed by
+    us (images/layers.py), as root of a user namespace, with mksquashfs."""
+    missing = [name for name in ("unshare", "mksquashfs") if shutil.which(name) is None]
+    if missing:
+        return Finding(
+            "convert",
+            Status.MISSING,
+            f"no Apptainer, and no {' or '.join(missing)} to make .sif files from image layers",
+            "install squashfs-tools and util-linux, or convert where Apptainer is",
+        )
+    owners = "" if not missing_subid_ranges() else " (every file root's: no /etc/subuid range)"
+    return Finding(
+        "convert", Status.OK, f".sif files made from the images' layers, without Apptainer{owners}"
+    )
 
 
 _VERSION_FIX = (

@@ -103,6 +103,14 @@ def find_apptainer() -> str:
     )
 
 
+def apptainer_here() -> bool:
+    """Whether this node has an Apptainer to call (what `find_apptainer` names is a program)."""
+    try:
+        return shutil.which(find_apptainer()) is not None
+    except HarborHpcError:
+        return False
+
+
 RUNTIMES = ("apptainer", "enroot")
 RUNTIME_ENV = "HARBOR_HPC_RUNTIME"
 
@@ -242,11 +250,11 @@ class Compression:
 
 @cache
 def zstd_here() -> str | None:
-    """None when this node makes zstd images (Apptainer 1.4 or newer, a mksquashfs that takes
-    SQUASHFS_ARGS, tried on an empty folder), else why not."""
-    version = apptainer_version(find_apptainer())
+    """None when this node makes zstd images (Apptainer 1.4 or newer where there is Apptainer,
+    a mksquashfs that takes SQUASHFS_ARGS, tried on an empty folder), else why not."""
+    version = apptainer_version(find_apptainer()) if apptainer_here() else None
     mksquashfs = shutil.which("mksquashfs")
-    if version is None or version.release < ZSTD_MINIMUM:
+    if apptainer_here() and (version is None or version.release < ZSTD_MINIMUM):
         return f"this node's {version or 'Apptainer'} makes no zstd images (1.4 does)"
     if mksquashfs is None:
         return "mksquashfs is not on PATH (Apptainer then uses its own, with gzip)"

@@ -9,7 +9,9 @@ millisecond, where `apptainer sif dump` costs two process starts.
 
 `build --builder apptainer` writes the config of the image it built from a Dockerfile into the
 same descriptor (`write_image_config`), so the environment starts its images exactly as it
-starts converted ones.
+starts converted ones. Where there is no Apptainer, `convert` writes the SIF itself
+(`write_sif`): a root partition and that descriptor, laid out as Apptainer lays them out, a file
+Apptainer runs as its own.
 
 The container mounts the image's root partition (`root_partition`) a second time, read-only,
 for its command server's python3 (container.py says why). The partition also says which
@@ -21,8 +23,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import struct
 import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -73,6 +78,12 @@ _OCI_CONFIG_NAME = b"oci-config.json"
 # `apptainer sif add --datatype` for JSON.Generic; the system partition's group, as Apptainer's own.
 _JSON_DATATYPE, _SYSTEM_GROUP = "6", "1"
 _MAX_CONFIG_BYTES = 1 << 20
+# How Apptainer lays a SIF out (sif's defaults): its launch line, room for 48 descriptors from
+# 4096 on, the data after them, a partition on a 4096-byte boundary, the system group's id.
+_LAUNCH = b"#!/usr/bin/env run-singularity\n"
+_DESCRIPTOR_FULL = struct.Struct("<i?IIIqqqqqqq128s384s")
+_TABLE_AT, _TABLE_ENTRIES, _ALIGN = 4096, 48, 4096
+_GROUP_ID = 0xF0000000 | 1
 
 
 @dataclass(frozen=True)
@@ -215,6 +226,42 @@ def write_image_config(sif: Path, config: dict[str, Any]) -> None:
                 *(str(sif), str(descriptor)),
             ]
         )
+
+
+def write_sif(squashfs: Path, config: dict[str, Any], architecture: str, target: Path) -> None:
+    """Write `target`, a SIF of the root file system `squashfs` (its primary system partition,
+    for `architecture`, Apptainer's name) and of `config` (its oci-config.json descriptor)."""
+    code = {name: code for code, name in _ARCHITECTURES.items()}.get(architecture, b"00")
+    blob = json.dumps(config, separators=(",", ":")).encode()
+    data_at = _TABLE_AT + _TABLE_ENTRIES * _DESCRIPTOR_FULL.size
+    partition_at = -(-(data_at + len(blob)) // _ALIGN) * _ALIGN
+    size = squashfs.stat().st_size
+    now = int(time.time())
+    extra = _PARTITION.pack(_SQUASHFS, _PRIMARY_SYSTEM) + code + b"\0"
+    table = b"".join(
+        [
+            _DESCRIPTOR_FULL.pack(
+                _JSON_GENERIC, True, 1, _GROUP_ID, 0, data_at, len(blob), len(blob),
+                now, now, 0, 0, _OCI_CONFIG_NAME, b"",
+            ),
+            _DESCRIPTOR_FULL.pack(
+                _PARTITION_TYPE, True, 2, _GROUP_ID, 0, partition_at, size,
+                size + partition_at - data_at - len(blob), now, now, 0, 0, b"", extra,
+            ),
+        ]
+    )  # fmt: skip
+    header = _HEADER.pack(
+        _LAUNCH, _MAGIC + b"\0", b"01\0", code + b"\0", uuid.uuid4().bytes,
+        now, now, _TABLE_ENTRIES - 2, _TABLE_ENTRIES, _TABLE_AT,
+        _TABLE_ENTRIES * _DESCRIPTOR_FULL.size, data_at, partition_at + size - data_at,
+    )  # fmt: skip
+    with target.open("wb") as out, squashfs.open("rb") as root:
+        out.write(header)
+        out.seek(_TABLE_AT)
+        out.write(table.ljust(_TABLE_ENTRIES * _DESCRIPTOR_FULL.size, b"\0"))
+        out.write(blob)
+        out.seek(partition_at)
+        shutil.copyfileobj(root, out, 1 << 20)
 
 
 def _sif_tool(command: list[str]) -> None:

@@ -52,6 +52,7 @@ import re
 import shutil
 import socket
 import stat
+import sys
 import tarfile
 import tempfile
 import time
@@ -62,10 +63,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_hpc.apptainer.runtime import build_command, run_flags
+from harbor_hpc.apptainer.probes import missing_subid_ranges
+from harbor_hpc.apptainer.runtime import (
+    SQUASHFS_ARGS,
+    apptainer_here,
+    build_command,
+    run_flags,
+    sif_compression,
+)
+from harbor_hpc.apptainer.sif import node_architecture, write_sif
 from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
 from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
 from harbor_hpc.core.proc import run
+from harbor_hpc.images import layers
 from harbor_hpc.images.reference import DIGEST, Reference, is_loopback
 
 if TYPE_CHECKING:
@@ -362,21 +372,25 @@ def _convert(parsed: ResolvedImage, source: str, final: Path, *, use_http: bool)
             env[f"{prefix}_NOHTTPS"] = "1"
         else:
             env.pop(f"{prefix}_NOHTTPS", None)
-    # `build` rather than `pull` for a registry's image too: only build compresses the .sif as
-    # asked (sif_compression).
-    command = build_command("--disable-cache", str(partial), parsed.uri)
+    apptainer = apptainer_here()
     started = time.monotonic()
-    log.info("converting %s -> %s", source, final.name)
+    log.info("converting %s -> %s%s", source, final.name, "" if apptainer else " (no Apptainer)")
     try:
         (work / "cache").mkdir(parents=True)
-        result = run(command, timeout=CONVERT_TIMEOUT_S, env=env)
-        if not result.ok or not partial.is_file():
-            said = result.error or _apptainer_error(result.stderr)
-            raise HarborHpcError(
-                f"{source}: apptainer build failed: {said}",
-                hint=failure_hint(result.stderr, use_http=use_http),
-            )
-        run_flags(partial)  # raises, naming each attempt, when the new image does not run
+        if apptainer:
+            # `build` rather than `pull` for a registry's image too: only build compresses the
+            # .sif as asked (sif_compression).
+            command = build_command("--disable-cache", str(partial), parsed.uri)
+            result = run(command, timeout=CONVERT_TIMEOUT_S, env=env)
+            if not result.ok or not partial.is_file():
+                said = result.error or _apptainer_error(result.stderr)
+                raise HarborHpcError(
+                    f"{source}: apptainer build failed: {said}",
+                    hint=failure_hint(result.stderr, use_http=use_http),
+                )
+            run_flags(partial)  # raises, naming each attempt, when the new image does not run
+        else:
+            _convert_by_layers(parsed, source, partial, work, use_http=use_http)
         if shared:
             partial.chmod(partial.stat().st_mode | 0o040)  # every member reads it
         digest = _sha256(partial)
@@ -386,6 +400,60 @@ def _convert(parsed: ResolvedImage, source: str, final: Path, *, use_http: bool)
         partial.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
     log.info("converted %s in %.1f s", source, time.monotonic() - started)
+
+
+def _convert_by_layers(
+    parsed: ResolvedImage, source: str, partial: Path, work: Path, *, use_http: bool
+) -> None:
+    """`partial`, the .sif of `source` made without Apptainer (an enroot cluster's nodes): its
+    layers, from its registry or `docker save`, laid into a root folder and squashed as root of
+    the user's namespace (images/layers.py), then written as Apptainer writes a SIF."""
+    architecture = node_architecture()
+    if parsed.build:
+        if parsed.uri.startswith("docker-daemon://"):
+            archive = work / "saved.tar"
+            saved = run(
+                ["docker", "save", "-o", str(archive), parsed.uri.removeprefix("docker-daemon://")],
+                timeout=CONVERT_TIMEOUT_S,
+            )
+            if not saved.ok:
+                raise HarborHpcError(f"{source}: docker save failed: {saved.why()}")
+        else:
+            archive = Path(parsed.uri.removeprefix("docker-archive://"))
+        image = layers.from_archive(archive, work)
+    else:
+        ref = Reference.parse(parsed.uri)
+        registry = _apptainer_registry(ref.host, plain_http=use_http)
+        image = layers.from_registry(registry, ref.repository, ref.digest or "", architecture, work)
+    squashfs = work / "root.sqfs"
+    zstd = sif_compression().name == "zstd"
+    ranges = () if missing_subid_ranges() else ("--map-auto",)
+    command = [
+        *("unshare", "--map-root-user", *ranges),
+        *(sys.executable, "-I", "-m", "harbor_hpc.images.layers"),
+        *(str(work / "root"), str(squashfs), json.dumps(SQUASHFS_ARGS if zstd else [])),
+        *(str(layer) for layer in image.layers),
+    ]
+    done = run(command, timeout=CONVERT_TIMEOUT_S, env=_importable())
+    if not done.ok:
+        said = done.stderr.strip().splitlines()
+        raise HarborHpcError(
+            f"{source}: cannot make its root file system here: {said[-1] if said else done.why()}",
+            hint=None if done.returncode == 2 else "`harbor-hpc doctor` checks this node",
+        )
+    if not ranges:
+        log.warning(
+            "%s: every file of the image is root's: you have no /etc/subuid range here", source
+        )
+    write_sif(squashfs, image.config, image.architecture or architecture, partial)
+
+
+def _importable() -> dict[str, str]:
+    """This process's environment, with the folder harbor_hpc is imported from first on
+    PYTHONPATH (`-I` leaves out the working folder and the user's site packages)."""
+    package_root = str(Path(layers.__file__).resolve().parents[2])
+    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def store_built(built: Path, final: Path, origin: str) -> str:

@@ -9,8 +9,10 @@ headers only; nothing here prints or stores them. Both schemes registries use ar
 from __future__ import annotations
 
 import base64
+import hashlib
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -28,6 +30,7 @@ MANIFEST_TYPES = ", ".join(
     )
 )
 _TIMEOUT = 30
+_CHUNK = 1 << 20
 
 
 def login_hint(host: str) -> str:
@@ -102,19 +105,75 @@ class Registry:
         digest = response.headers.get("Docker-Content-Digest")
         return digest or (reference if reference.startswith("sha256:") else None)
 
-    def _get(self, path: str, *, scope: str, method: str = "GET") -> requests.Response:
+    def manifest(self, repository_path: str, reference: str) -> dict[str, Any]:
+        """The manifest (or image index) of `repository_path` at `reference` (a digest), as
+        the registry serves it, checked against the digest."""
+        what = f"{repository_path}@{reference}"
+        response = self._get(
+            f"{repository_path}/manifests/{reference}", scope=f"repository:{repository_path}:pull"
+        )
+        self._answered(response, what)
+        if reference.startswith("sha256:") and (
+            f"sha256:{hashlib.sha256(response.content).hexdigest()}" != reference
+        ):
+            raise HarborHpcError(f"registry {self.host} sent a manifest of {what} not its digest")
+        body: dict[str, Any] = response.json()
+        return body
+
+    def blob(self, repository_path: str, digest: str, into: Path) -> None:
+        """Download blob `digest` of `repository_path` into the file `into`, checked against
+        its digest (a file that does not match is removed)."""
+        what = f"{repository_path}@{digest}"
+        response = self._get(
+            f"{repository_path}/blobs/{digest}",
+            scope=f"repository:{repository_path}:pull",
+            stream=True,
+        )
+        self._answered(response, what)
+        hashed = hashlib.sha256()
+        try:
+            with response, into.open("wb") as file:
+                for chunk in response.iter_content(_CHUNK):
+                    hashed.update(chunk)
+                    file.write(chunk)
+        except requests.RequestException as exc:
+            into.unlink(missing_ok=True)
+            raise HarborHpcError(
+                f"registry {self.host}: the download of {what} broke off ({type(exc).__name__})"
+            ) from None
+        if f"sha256:{hashed.hexdigest()}" != digest:
+            into.unlink(missing_ok=True)
+            raise HarborHpcError(f"registry {self.host} sent a blob of {what} not its digest")
+
+    def _answered(self, response: requests.Response, what: str) -> None:
+        """Raise, in one line, unless `response` (to a pull of `what`) is the content."""
+        if response.status_code == 200:
+            return
+        if response.status_code in (401, 403):
+            raise HarborHpcError(
+                f"registry {self.host} refused to give {what}", hint=login_hint(self.host)
+            )
+        if response.status_code == 404:
+            raise HarborHpcError(f"registry {self.host} has no {what}")
+        raise HarborHpcError(
+            f"registry {self.host} answered HTTP {response.status_code} for {what}"
+        )
+
+    def _get(
+        self, path: str, *, scope: str, method: str = "GET", stream: bool = False
+    ) -> requests.Response:
         url = self.base_url + path
         headers = {"Accept": MANIFEST_TYPES}
         token = self._tokens.get(scope)
         if token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            response = self._request(method, url, headers)
+            response = self._request(method, url, headers, stream=stream)
             if response.status_code == 401:
                 challenge = response.headers.get("WWW-Authenticate", "")
                 retry = self._authorize(challenge, scope, headers)
                 if retry:
-                    response = self._request(method, url, headers)
+                    response = self._request(method, url, headers, stream=stream)
         except requests.RequestException as exc:
             raise HarborHpcError(
                 f"registry {self.host} does not answer ({type(exc).__name__})",
@@ -123,8 +182,10 @@ class Registry:
             ) from None
         return response
 
-    def _request(self, method: str, url: str, headers: dict[str, str]) -> requests.Response:
-        return self._session.request(method, url, headers=headers, timeout=_TIMEOUT)
+    def _request(
+        self, method: str, url: str, headers: dict[str, str], *, stream: bool = False
+    ) -> requests.Response:
+        return self._session.request(method, url, headers=headers, timeout=_TIMEOUT, stream=stream)
 
     def _authorize(self, challenge: str, scope: str, headers: dict[str, str]) -> bool:
         """Fill `headers` with what the challenge asks for; False when we have nothing to offer."""
