@@ -23,7 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.containers.store import ensure_sif
 
 CONTEXTS = {
     "copy+run": (

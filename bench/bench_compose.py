@@ -26,7 +26,7 @@ from harbor.environments.docker.docker import DockerEnvironment
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.containers.environment import SingularityEnvironment
 
 COMPOSE = """\
 services:

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harbor_hpc.apptainer.store import mark_checked, resolve_source, sif_path_for
+from harbor_hpc.containers.store import mark_checked, resolve_source, sif_path_for
 from harbor_hpc.steps.convert import plan_conversions
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 

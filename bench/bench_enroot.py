@@ -30,10 +30,10 @@ from pathlib import Path
 
 from bench_environment import make_environment
 
-from harbor_hpc.apptainer.enroot import find_enroot
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.sif import root_partition
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.sif import root_partition
 from harbor_hpc.core.scratch import remove_private_dir
+from harbor_hpc.runtimes.enroot import find_enroot
 
 
 def enroot_env(folder: Path) -> dict[str, str]:

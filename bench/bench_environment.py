@@ -40,9 +40,9 @@ from harbor.environments.singularity import SingularityEnvironment as HarborSing
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.store import ensure_sif
-from harbor_hpc.apptainer.watchdog import (
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.store import ensure_sif
+from harbor_hpc.containers.watchdog import (
     RECHECK_SEC,
     MemoryWatchdog,
     kill_processes,

@@ -52,8 +52,8 @@ from bench_environment import (
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.watchdog import (
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.watchdog import (
     kill_processes,
     tree_processes,
     tree_pss_bytes,

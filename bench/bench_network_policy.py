@@ -21,7 +21,7 @@ from pathlib import Path
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.containers.environment import SingularityEnvironment
 
 HOST = os.environ.get("HARBOR_HPC_TEST_EGRESS_HOST", "10.79.0.2")
 CONNECT = (

@@ -53,8 +53,8 @@ from bench_environment import MB, add_image_arguments, make_environment, server_
 from bench_fleet import SETTLE_SEC, cpu_seconds, ready, sizes, timed_exec, trees
 from harbor.environments.base import BaseEnvironment
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.watchdog import (
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.watchdog import (
     kill_processes,
     tree_processes,
     tree_pss_bytes,
@@ -152,7 +152,7 @@ def host_pss(host: EnvironmentHost) -> tuple[int, int]:
     """(PSS bytes of the host's containers and of the host's own process, environments)."""
     import os  # in the host's process: pickled by value, as the bench's functions are
 
-    from harbor_hpc.apptainer.watchdog import pss_bytes, tree_pss_bytes
+    from harbor_hpc.containers.watchdog import pss_bytes, tree_pss_bytes
 
     containers = sum(
         tree_pss_bytes(environment.process_pid)

@@ -41,10 +41,10 @@ from bench_environment import (
 )
 from harbor.environments.base import BaseEnvironment
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.holder import give_up, root_path
-from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.holder import give_up, root_path
 from harbor_hpc.core.scratch import remove_private_dir
+from harbor_hpc.runtimes.apptainer import find_apptainer
 
 AT_ONCE = 16
 PACKAGE = "harbor-hpc-bench-files"

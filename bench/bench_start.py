@@ -48,11 +48,11 @@ from bench_environment import add_image_arguments, make_environment, server_sif,
 from harbor.environments.base import BaseEnvironment
 from harbor.environments.singularity import SingularityEnvironment as HarborSingularity
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.runtime import FUSE_HELPERS, find_apptainer
-from harbor_hpc.apptainer.sif import root_partition
-from harbor_hpc.apptainer.watchdog import kill_processes
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.sif import root_partition
+from harbor_hpc.containers.watchdog import kill_processes
 from harbor_hpc.core.scratch import remove_private_dir
+from harbor_hpc.runtimes.apptainer import FUSE_HELPERS, find_apptainer
 
 AT_ONCE = 16
 # Ours from the .sif, and with unpacked_roots=auto an image used once and one reused.

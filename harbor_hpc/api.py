@@ -41,8 +41,8 @@ Every function here raises errors in Python's words (fields and functions, not f
 import functools
 from collections.abc import Callable
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.errors import (
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.errors import (
     ContainerDied,
     ContainerStartFailed,
     EnvironmentHostUnavailable,

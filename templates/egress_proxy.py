@@ -1,6 +1,6 @@
 """harbor-hpc's egress proxy: a task's network allowlist, enforced in its container's network.
 
-The host (harbor_hpc/apptainer/egress.py) starts it with nsenter in the container's user and
+The host (harbor_hpc/containers/egress.py) starts it with nsenter in the container's user and
 network namespaces, where nftables sends it every TCP connection the task opens to the outside
 (what Harbor's Docker environment does with gost). For each one it takes where the task was
 going (SO_ORIGINAL_DST) and the name it asked for (TLS SNI, else an HTTP Host header, read within

@@ -1,4 +1,4 @@
-"""The first process of an environment's own user, mount and pid namespaces (apptainer/holder.py).
+"""The first process of an environment's own user, mount and pid namespaces (containers/holder.py).
 
 Started by `unshare --user --map-root-user --map-auto --mount --pid --fork --kill-child
 --mount-proc` with the host's python3 (`-I -S`: nothing but the standard library). It mounts each

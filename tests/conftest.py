@@ -36,14 +36,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.enroot import find_enroot
-from harbor_hpc.apptainer.network import egress_problem
-from harbor_hpc.apptainer.nodes import load_answers
-from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.containers.network import egress_problem
+from harbor_hpc.containers.store import ensure_sif
 from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.fetch.hub import Hub
 from harbor_hpc.ray.cluster import ray_missing
+from harbor_hpc.runtimes.apptainer_nodes import load_answers
+from harbor_hpc.runtimes.enroot import find_enroot
 from harbor_hpc.slurm.cluster import SlurmPlacement
 from harbor_hpc.steps import doctor
 from tests.support.fake_slurm import BIN as FAKE_SLURM_BIN

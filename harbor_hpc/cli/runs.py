@@ -17,7 +17,6 @@ from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.text import Text
 
-from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT
 from harbor_hpc.cli.app import (
     AccountOption,
     CacheDirOption,
@@ -36,6 +35,7 @@ from harbor_hpc.cli.app import (
     stdout,
     warn,
 )
+from harbor_hpc.containers.environment_kwargs import ENVIRONMENT
 from harbor_hpc.core.errors import ReportedFailure
 from harbor_hpc.results.classify import AttemptState
 from harbor_hpc.results.export import ExportFormat

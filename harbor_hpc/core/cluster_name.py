@@ -2,7 +2,8 @@
 
 What we keep per user of a cluster is kept per cluster, where one home serves several (a login
 node with two SLURM_CONFs, or clusters that share home folders): the nodes' answers about zstd
-images (`apptainer/nodes.py`) and the default folder of `ray up`'s cluster (`ray/cluster.py`).
+images (`runtimes/apptainer_nodes.py`) and the default folder of `ray up`'s cluster
+(`ray/cluster.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a probe of this machine found: one fact, how it stands, and what to do about it.
 
-Each layer probes the part it drives (apptainer/probes.py the runtime, images/engine.py the
+Each layer probes the part it drives (containers/probes.py the runtime, images/engine.py the
 Docker Engine) and says so in `Finding`s; `harbor-hpc doctor` only gathers them by role. The
 install itself (Harbor and the other Python packages) is probed here, below every layer.
 """

@@ -24,7 +24,7 @@ Running (`run_build`) records the plan in the manifest first, then makes the dis
 parallel through one `Builder`; each finished image (made, or failed with its error) is written
 to the manifest at once, so an interrupted build keeps what it finished and a rerun makes only
 what is missing. The builders: Docker (images/docker_builder.py: build, push, pin by digest;
-nothing is built again that the registry still holds) and Apptainer (apptainer/builder.py, a
+nothing is built again that the registry still holds) and Apptainer (containers/builder.py, a
 layer up since it fills the .sif store: each context built from its Dockerfile straight into a
 checked .sif, no Docker Engine and no registry involved). `build --builder auto` takes Docker
 where an engine answers (`choose_builder`).

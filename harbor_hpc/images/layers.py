@@ -1,5 +1,5 @@
 """An image's root file system made without Docker or Apptainer, for `convert` on nodes that have
-neither (enroot clusters: apptainer/store.py makes the .sif from it).
+neither (enroot clusters: containers/store.py makes the .sif from it).
 
 The image's config and layers come from its registry (the manifest for this node's architecture)
 or from a `docker save` archive (`docker-daemon://` saves one first). `apply` lays the layers

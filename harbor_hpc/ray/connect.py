@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from harbor_hpc.apptainer.errors import EnvironmentHostUnavailable
+from harbor_hpc.containers.errors import EnvironmentHostUnavailable
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.ray import local_node
 from harbor_hpc.ray.cluster import (

@@ -34,8 +34,8 @@ from harbor.environments.base import transfer_tar_filter
 from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.errors import ContainerStartFailed
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.errors import ContainerStartFailed
 
 # One Ray call's worth of a transfer: big enough that a folder of gigabytes is a few hundred
 # calls, small enough that neither side notices holding it.

@@ -32,10 +32,10 @@ from types import FrameType
 
 import psutil
 
-from harbor_hpc.apptainer.runtime import FUSE_HELPERS
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.core.scratch import PrivateDir
+from harbor_hpc.runtimes.apptainer import FUSE_HELPERS
 from harbor_hpc.slurm import cluster
 
 # How often the head looks for Ray's address file, and workers for the head's address.

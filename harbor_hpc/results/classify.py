@@ -1,7 +1,7 @@
 """Why a trial failed, in the few classes users act on, from what Harbor wrote in result.json.
 
 Harbor records a failed trial's exception by type name (`exception_info.exception_type`). The
-names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's trial loop
+names come from our environment (`harbor_hpc.containers.errors`), from Harbor's trial loop
 (`harbor.trial.errors`), its verifier (`harbor.verifier.verifier`) and its agents. Classes:
 
     image           the task's image is missing or cannot be converted (fix the image, rerun)
@@ -23,7 +23,7 @@ names come from our environment (`harbor_hpc.apptainer.errors`), from Harbor's t
 
 Whether a failed trial's reward is valid (and so whether a trainer may learn from it) is not
 ours to decide: it is Harbor's error policy for the exception's name (`validity`), with our
-environment's names given to it (`harbor_hpc.apptainer.errors.error_policy_overrides`).
+environment's names given to it (`harbor_hpc.containers.errors.error_policy_overrides`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_hpc.apptainer.errors import (
+from harbor_hpc.containers.errors import (
     HARBOR_EQUIVALENT,
     ContainerDied,
     ContainerStartFailed,
@@ -45,7 +45,7 @@ from harbor_hpc.apptainer.errors import (
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.limits import DISK_FULL_PREFIX, read_limits
+from harbor_hpc.containers.limits import DISK_FULL_PREFIX, read_limits
 from harbor_hpc.results.calls import CallEnd, ModelCalls, read_calls
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ MODEL_SERVER_ERRORS = (
 )
 
 _CLASS_OF_EXCEPTION: dict[str, FailureClass] = {
-    # our environment's (harbor_hpc.apptainer.errors)
+    # our environment's (harbor_hpc.containers.errors)
     ImageUnavailable.__name__: FailureClass.IMAGE,
     SetupScriptFailed.__name__: FailureClass.SETUP,
     ContainerStartFailed.__name__: FailureClass.ENVIRONMENT,
@@ -167,7 +167,7 @@ def validity(exception_type: str, stored: dict[str, Any] | None = None) -> Error
     made without one (`harbor run` with our environment, older runs) get ours for our names."""
     from harbor.models.trial.error_policy import ErrorPolicyOverride, policy_for
 
-    from harbor_hpc.apptainer.errors import error_policy_overrides
+    from harbor_hpc.containers.errors import error_policy_overrides
 
     if stored:
         override: ErrorPolicyOverride | None = ErrorPolicyOverride.model_validate(stored)
@@ -201,7 +201,7 @@ class Outcome:
     """What one finished trial came to: done (maybe with reward 0) or failed with a class.
     `valid`: its reward is one to learn from (Harbor's error policy says so for its failure;
     a trial that ended cleanly always), else no reward a trainer may use. `limits`: where its
-    container was weaker than Docker's (apptainer/limits.py), as its folder says."""
+    container was weaker than Docker's (containers/limits.py), as its folder says."""
 
     failure: FailureClass | None
     message: str | None
@@ -272,7 +272,7 @@ def outcome_of_result(
     reward_key: str | None = None,
 ) -> Outcome:
     """Classify a parsed result.json (Harbor's TrialResult as JSON), given what the trial's
-    folder says of its container's limits (apptainer/limits.py) and of its model calls
+    folder says of its container's limits (containers/limits.py) and of its model calls
     (results/calls.py): the validity rule of docs/results.md. An outcome Harbor leaves to the
     policy (the trial ended, the agent failed it, or its time ran out) is the policy's only
     where the evidence says so; else it names what failed:

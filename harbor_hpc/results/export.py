@@ -23,7 +23,7 @@ score such rollouts.
                 (the harbor-rl line's fields without the tokens and the reward, `trial_dir`).
 
 Both carry `environment_limits`: where the trial's container was weaker than Docker's (no subuid
-range, no network of its own, writes in memory: apptainer/limits.py), one sentence each, empty
+range, no network of its own, writes in memory: containers/limits.py), one sentence each, empty
 where it ran as in Docker. Such a reward stands (Harbor's policy), but may differ from Docker's:
 a trainer that wants only rewards Docker would give drops the lines that name a limit.
 

@@ -33,7 +33,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.limits import read_limits
+from harbor_hpc.containers.limits import read_limits
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_bytes, read_in_threads, read_json
 from harbor_hpc.results.classify import (
@@ -87,7 +87,7 @@ def rules() -> str:
     """What an outcome is made by: the source of the modules that decide it and of Harbor's
     error policy (read, not imported). An entry made by other rules (another harbor-hpc or
     Harbor) is read again from its trial's folder."""
-    from harbor_hpc.apptainer import errors, limits
+    from harbor_hpc.containers import errors, limits
     from harbor_hpc.results import calls, classify
 
     harbor = importlib.util.find_spec("harbor")

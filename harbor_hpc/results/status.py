@@ -51,7 +51,7 @@ class AttemptStatus:
     reward: float | None
     failure: FailureClass | None
     message: str | None
-    # Where the trial's container was weaker than Docker's (apptainer/limits.py).
+    # Where the trial's container was weaker than Docker's (containers/limits.py).
     limits: list[str] = field(default_factory=list)
     # Whether the policy alone made its outcome (classify.Outcome.trainable): a reward to learn
     # from. False while it has not ended.

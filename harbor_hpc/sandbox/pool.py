@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_hpc.apptainer.errors import error_policy_overrides
+from harbor_hpc.containers.errors import error_policy_overrides
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.results.classify import (
     FailureClass,

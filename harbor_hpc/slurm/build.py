@@ -22,8 +22,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harbor_hpc.apptainer.builder import ApptainerBuilder, sif_name
-from harbor_hpc.apptainer.store import is_ready
+from harbor_hpc.containers.builder import ApptainerBuilder, sif_name
+from harbor_hpc.containers.store import is_ready
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.images.build import (
     BuildPlan,

@@ -2,8 +2,8 @@
 
 One small job per node (slurm/ask_node.sh, held to its node by --nodelist) runs the node's
 Apptainer, as our jobs would find it after the site's setup lines, on a tiny zstd image in the
-store; what each printed is its answer (apptainer/nodes.py), kept for the compression of every
-.sif made after. A node that is down, drained or still queued when the asking ends did not
+store; what each printed is its answer (runtimes/apptainer_nodes.py), kept for the compression
+of every .sif made after. A node that is down, drained or still queued when the asking ends did not
 answer: while one has not, images stay gzip.
 """
 
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from harbor_hpc.apptainer.nodes import READ_MARK, Asked, parse_answer
 from harbor_hpc.core.cluster_name import slurm_cluster_name
+from harbor_hpc.runtimes.apptainer_nodes import READ_MARK, Asked, parse_answer
 from harbor_hpc.slurm import cluster
 from harbor_hpc.slurm.cluster import SlurmPlacement
 

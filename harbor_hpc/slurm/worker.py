@@ -41,7 +41,7 @@ from typing import Any
 
 import submitit
 
-from harbor_hpc.apptainer.errors import error_policy_overrides
+from harbor_hpc.containers.errors import error_policy_overrides
 from harbor_hpc.results.calls import recording_calls
 from harbor_hpc.results.classify import AttemptState, FailureClass
 from harbor_hpc.results.outcomes import RunTrials, note_outcome, read_outcome

@@ -122,7 +122,7 @@ def run(
     on_submitted: Callable[[UnitArray], None] | None = None,
 ) -> BuildResult:
     """Make every planned image not yet made, through the chosen backend."""
-    from harbor_hpc.apptainer.builder import ApptainerBuilder
+    from harbor_hpc.containers.builder import ApptainerBuilder
     from harbor_hpc.images.build import Builder
     from harbor_hpc.images.docker_builder import DockerBuilder
     from harbor_hpc.slurm.build import SlurmBuilder, build_on_slurm

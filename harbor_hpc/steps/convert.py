@@ -27,7 +27,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from harbor_hpc.apptainer.store import ensure_sif, is_ready, resolve_nohttps, sif_path_for, verify
+from harbor_hpc.containers.store import ensure_sif, is_ready, resolve_nohttps, sif_path_for, verify
 from harbor_hpc.core.config import default_cache_dir
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.slurm import cluster

@@ -3,7 +3,7 @@
 Two roles need different parts. The cluster role (login and compute nodes) needs Apptainer that
 can actually run an image for this user, and a reachable Slurm; the build role needs a Docker
 Engine or Apptainer builds that work for this user (`build --builder apptainer`): either will
-do. The probes live with the code they check (apptainer/probes.py, images/engine.py, the
+do. The probes live with the code they check (containers/probes.py, images/engine.py, the
 slurm/probes.py, core/probe.py for the install) and are what that code itself relies on;
 here they are only gathered by part and role. Every probe is bounded in time and turns any
 failure into a `Check` that says what is wrong and how to fix it, so the doctor still answers on
@@ -28,8 +28,8 @@ from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.probe import Finding, Status, harbor_finding, python_finding
 
 if TYPE_CHECKING:  # each layer loads when its checks run (`doctor --help` stays quick)
-    from harbor_hpc.apptainer.nodes import Asked
-    from harbor_hpc.apptainer.runtime import Compression
+    from harbor_hpc.runtimes.apptainer import Compression
+    from harbor_hpc.runtimes.apptainer_nodes import Asked
     from harbor_hpc.slurm.cluster import SlurmPlacement
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def part_problem(part: str) -> str | None:
 def probe_part(part: Part, cache_dir: Path) -> list[Check]:
     """The checks of one part; a probe that breaks becomes a check, never an exception."""
     # Each layer's probes load when a check runs (`doctor --help` stays quick).
-    from harbor_hpc.apptainer import probes as apptainer
+    from harbor_hpc.containers import probes as apptainer
     from harbor_hpc.images.engine import engine_finding
     from harbor_hpc.slurm import probes as slurm
 
@@ -251,16 +251,16 @@ def ask_nodes(
 ) -> NodesReport:
     """Ask every node of the placement's partition (else the default one) whether it reads a
     zstd .sif, one small job each (slurm/nodes.py); keep the answers for the compression of
-    every .sif made after (apptainer/nodes.py)."""
-    from harbor_hpc.apptainer.nodes import save_answers
-    from harbor_hpc.apptainer.probes import probe_image
-    from harbor_hpc.apptainer.runtime import (
+    every .sif made after (runtimes/apptainer_nodes.py)."""
+    from harbor_hpc.containers.probes import probe_image
+    from harbor_hpc.runtimes.apptainer import (
         SQUASHFS_COMPRESSION,
         Compression,
         find_apptainer,
         sif_compression,
         zstd_here,
     )
+    from harbor_hpc.runtimes.apptainer_nodes import save_answers
     from harbor_hpc.slurm.nodes import ask_nodes as ask
 
     cannot = zstd_here()

@@ -47,7 +47,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT
+from harbor_hpc.containers.environment_kwargs import ENVIRONMENT
 from harbor_hpc.core.errors import HarborHpcError, InputError, choice
 from harbor_hpc.results.classify import AttemptState
 from harbor_hpc.results.export import ExportFormat, rollout_lines

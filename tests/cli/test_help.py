@@ -65,7 +65,7 @@ def test_the_command_line_loads_what_a_command_needs_when_it_runs() -> None:
 
     heavy = ("harbor", "huggingface_hub", "docker", "submitit", "pydantic", "yaml", "psutil")
     # Our own modules that only some steps need: the build planner, Ray clusters, probes.
-    steps = ("harbor_hpc.images.build", "harbor_hpc.ray.cluster", "harbor_hpc.apptainer.probes")
+    steps = ("harbor_hpc.images.build", "harbor_hpc.ray.cluster", "harbor_hpc.containers.probes")
     script = (
         "import sys; import harbor_hpc.cli; "
         f"print(sorted(({{m.split('.')[0] for m in sys.modules}} | set(sys.modules)) & "

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.limits import ONE_ID, write_limits
 from harbor_hpc.cli.app import info, warn
+from harbor_hpc.containers.limits import ONE_ID, write_limits
 from harbor_hpc.results.record import Marker, RunPaths, RunRecord, create_run, write_marker
 from tests.support.cli import cli
 from tests.support.probe_agent import AGENT

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from harbor_hpc.apptainer.runtime import find_apptainer
-from harbor_hpc.apptainer.sif import image_config
-from harbor_hpc.apptainer.store import is_ready
+from harbor_hpc.containers.sif import image_config
+from harbor_hpc.containers.store import is_ready
+from harbor_hpc.runtimes.apptainer import find_apptainer
 from harbor_hpc.tasks.manifest import load_manifest
 from tests.support.sample_tasks import make_task
 from tests.tasks.test_manifest_schema import validate as validate_manifest

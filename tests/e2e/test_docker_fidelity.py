@@ -25,16 +25,16 @@ from typing import Any
 import pytest
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.errors import (
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.errors import (
     ContainerStartFailed,
     MemoryLimitExceededError,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.holder import root_path
-from harbor_hpc.apptainer.limits import ONE_ID, read_limits
-from harbor_hpc.apptainer.network import egress_problem, netns_problem, own_network_problem
-from harbor_hpc.apptainer.probes import (
+from harbor_hpc.containers.holder import root_path
+from harbor_hpc.containers.limits import ONE_ID, read_limits
+from harbor_hpc.containers.network import egress_problem, netns_problem, own_network_problem
+from harbor_hpc.containers.probes import (
     container_root_finding,
     missing_subid_ranges,
     network_finding,

@@ -143,6 +143,7 @@ def test_convert_into_a_full_store(tiny_image: TinyImage, tmp_path: Path) -> Non
 
 @pytest.mark.apptainer
 @pytest.mark.docker
+@pytest.mark.apptainer_only  # its small disk (FUSE) refuses the kernel's overlay: Apptainer's own
 def test_a_trial_whose_scratch_disk_fills_up_is_never_a_trainable_zero(
     debian_sif: Path, tmp_path: Path
 ) -> None:

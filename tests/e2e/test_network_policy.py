@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
-from harbor_hpc.apptainer.egress import ruleset
-from harbor_hpc.apptainer.environment import (
+from harbor_hpc.containers.egress import ruleset
+from harbor_hpc.containers.environment import (
     SingularityEnvironment,
     environment_capabilities,
     parse_extra_hosts,
 )
-from tests.apptainer.test_environment import reward, run_trial
+from tests.containers.test_environment import reward, run_trial
 from tests.support.environments import make_environment
 
 # Connects to HOST:PORT, sends what a client of KIND sends first (a TLS ClientHello naming

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.enroot import find_enroot
+from harbor_hpc.runtimes.enroot import find_enroot
 from tests.support.images import build_trainer_sqsh
 from tests.support.sample_tasks import make_task
 

@@ -19,10 +19,10 @@ import pytest
 from harbor.environments.base import BaseEnvironment
 
 from harbor_hpc.api import InputError, RolloutRequest, run_rollouts, run_status
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
-from harbor_hpc.apptainer.runtime import find_apptainer
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.core.imports import import_class
+from harbor_hpc.runtimes.apptainer import find_apptainer
 from harbor_hpc.steps.submit.checks import image_problem, reference_check
 from harbor_hpc.tasks.discovery import Task, load_task
 from tests.support.images import TinyImage

@@ -22,8 +22,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from harbor_hpc.apptainer.limits import ONE_ID
-from harbor_hpc.apptainer.probes import missing_subid_ranges
+from harbor_hpc.containers.limits import ONE_ID
+from harbor_hpc.containers.probes import missing_subid_ranges
 from harbor_hpc.results.rollout import SCHEMA_FILE
 from tests.support.cli import cli, cli_json
 from tests.support.sample_tasks import FETCH_ANSWER, answer_service, make_task

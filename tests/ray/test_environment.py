@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harbor_hpc.apptainer.errors import ContainerStartFailed
+from harbor_hpc.containers.errors import ContainerStartFailed
 from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.ray.host import CHUNK_BYTES
 from tests.ray.conftest import RayCluster
@@ -99,7 +99,7 @@ SAME_AS_LOCAL = """
 COMMANDS = ["id -u", "pwd", "echo $HOME", "touch /etc/x && echo writable", "ls /logs", "nice"]
 
 async def main():
-    from harbor_hpc.apptainer.environment import SingularityEnvironment
+    from harbor_hpc.containers.environment import SingularityEnvironment
     remote = make("remote")
     local = SingularityEnvironment(
         environment_dir=FOLDER / "environment", environment_name="local",
@@ -293,7 +293,7 @@ def test_harbor_trial_start_loads_it_by_import_path_and_scores_the_oracle(
     """As users name it to Harbor's own CLI: `-e harbor_hpc.environment:RaySingularityEnvironment`
     with kwargs; the verifier's reward comes back from the node (the logs are copied, not
     mounted)."""
-    from tests.apptainer.test_environment import reward, start_trial, trial_result
+    from tests.containers.test_environment import reward, start_trial, trial_result
     from tests.support.sample_tasks import make_task
 
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))

@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.runtime import FUSE_HELPERS
+from harbor_hpc.runtimes.apptainer import FUSE_HELPERS
 from harbor_hpc.slurm.cluster import queued_jobs
 from tests.ray.conftest import RayCluster
 from tests.ray.test_environment import drive, lines, next_line

@@ -20,7 +20,7 @@ from harbor.trial.errors import (
 )
 from harbor.verifier.verifier import RewardFileNotFoundError
 
-from harbor_hpc.apptainer.errors import (
+from harbor_hpc.containers.errors import (
     HARBOR_EQUIVALENT,
     ContainerStartFailed,
     EnvironmentHostUnavailable,

@@ -18,7 +18,7 @@ from harbor.models.trial.result import StepResult
 from harbor.models.verifier.result import VerifierResult
 from harbor.trial.errors import AgentTimeoutError
 
-from harbor_hpc.apptainer.errors import (
+from harbor_hpc.containers.errors import (
     ContainerStartFailed,
     EnvironmentHostUnavailable,
     MemoryLimitExceededError,

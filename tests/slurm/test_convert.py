@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.store import is_ready
+from harbor_hpc.containers.store import is_ready
 from harbor_hpc.steps.convert import plan_conversions
 from harbor_hpc.tasks.manifest import (
     ImageRecord,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.store import is_ready
+from harbor_hpc.containers.store import is_ready
 from harbor_hpc.results.outcomes import RunTrials
 from harbor_hpc.slurm.cluster import parse_node_address
 from harbor_hpc.tasks.manifest import ImageRecord, load_manifest
@@ -165,7 +165,7 @@ def push_tiny_images(count: int) -> list[str]:
 
 # On each node: every .sif made ready to run there, as environments do before they start.
 CHECK = (
-    "import sys, pathlib; from harbor_hpc.apptainer.store import checked_sif\n"
+    "import sys, pathlib; from harbor_hpc.containers.store import checked_sif\n"
     "for sif in sys.argv[1:]: checked_sif(pathlib.Path(sif))"
 )
 

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.nodes import (
+from harbor_hpc.core.cluster_name import slurm_cluster_name
+from harbor_hpc.core.errors import InputError
+from harbor_hpc.runtimes.apptainer import build_command, sif_compression, zstd_here
+from harbor_hpc.runtimes.apptainer_nodes import (
     Asked,
     NodeAnswer,
     answers_file,
@@ -23,9 +26,6 @@ from harbor_hpc.apptainer.nodes import (
     save_answers,
     zstd_verdict,
 )
-from harbor_hpc.apptainer.runtime import build_command, sif_compression, zstd_here
-from harbor_hpc.core.cluster_name import slurm_cluster_name
-from harbor_hpc.core.errors import InputError
 from harbor_hpc.slurm.cluster import parse_partition_nodes
 from tests.conftest import MultiNode
 from tests.support.cli import cli
@@ -178,7 +178,7 @@ def _converted(tiny_image: TinyImage, store: Path) -> str:
     made = subprocess.run(
         [
             sys.executable, "-c",
-            "import sys; from pathlib import Path; from harbor_hpc.apptainer.store import "
+            "import sys; from pathlib import Path; from harbor_hpc.containers.store import "
             "ensure_sif; print(ensure_sif(sys.argv[1], Path(sys.argv[2]), nohttps=True))",
             tiny_image.open_ref, str(store),
         ],

@@ -483,6 +483,7 @@ def test_a_disk_full_during_trials_is_finished_by_resubmit(
         rerun_to_reward_one(run_dir, tasks, debian_sif, {s["trial"] for s in full})
 
 
+@pytest.mark.apptainer_only  # enroot's containers get no GPUs yet (refused in one line)
 def test_tasks_asking_for_gpus_get_their_own_from_slurm(debian_sif: Path, tmp_path: Path) -> None:
     """The node's GPUs are fake (GRES type `fake`, .ci/provision.sh): Slurm is asked for the
     type as it names it, and each of two trials at once gets one device of its element's two;

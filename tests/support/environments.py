@@ -11,7 +11,7 @@ from typing import Any
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.containers.environment import SingularityEnvironment
 
 
 def make_environment(

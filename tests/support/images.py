@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import (
+from harbor_hpc.core.proc import run
+from harbor_hpc.runtimes.apptainer import (
     Compression,
     build_command,
     find_apptainer,
     sif_compression,
 )
-from harbor_hpc.core.proc import run
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
 
 TINY_DOCKERFILE = """\

@@ -4,7 +4,7 @@ Tests run side by side (pytest-xdist), so the user's other containers may be run
 test checks that its own left nothing: a container is told apart by its image. Apptainer's FUSE
 mounts of an image (its root, the overlay on it) name it by a descriptor (/proc/self/fd/N), not
 by its path, but hold it open; they run in the container's user namespace, beside its starter.
-So does the squashfuse_ll under a root of our own (apptainer/holder.py), beside the holder's
+So does the squashfuse_ll under a root of our own (containers/holder.py), beside the holder's
 first process: one whose holder another process's environment holds (its `unshare` has a live
 parent other than this test's process) is that environment's, not a leftover.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from harbor_hpc.apptainer.runtime import FUSE_HELPERS
+from harbor_hpc.runtimes.apptainer import FUSE_HELPERS
 
 # Apptainer's process that starts a container and stays its parent (and its FUSE helpers').
 # How soon a stopped container's processes are gone: on a loaded machine (a CI run) one was

@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from harbor_hpc.apptainer.environment_kwargs import (
+from harbor_hpc.containers.environment_kwargs import (
     accepted_environment_kwargs,
     flag,
     option_names,
 )
-from harbor_hpc.apptainer.store import sif_file, unavailable
-from harbor_hpc.apptainer.tools import AGENT_TOOLS, missing_tools
+from harbor_hpc.containers.store import sif_file, unavailable
+from harbor_hpc.containers.tools import AGENT_TOOLS, missing_tools
 from harbor_hpc.core.config import Config, cache_dir
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.files import read_in_threads
@@ -49,7 +49,7 @@ def reference_check(environment_kwargs: dict[str, Any]) -> ReferenceCheck:
 
 
 def tools_check(agent: str) -> ToolsCheck:
-    """What a .sif lacks of the programs `agent` runs in the container (apptainer/tools.py),
+    """What a .sif lacks of the programs `agent` runs in the container (containers/tools.py),
     asked once per image."""
     tools = AGENT_TOOLS.get(agent, ())
     return functools.cache(lambda sif: missing_tools(sif, tools))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from harbor_hpc.apptainer.environment_kwargs import ENVIRONMENT, accepted_environment_kwargs
+from harbor_hpc.containers.environment_kwargs import ENVIRONMENT, accepted_environment_kwargs
 from harbor_hpc.core.config import Config, chosen_cache_dir, configured
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.imports import import_class

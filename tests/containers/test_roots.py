@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.probes import missing_subid_ranges
-from harbor_hpc.apptainer.roots import RETRY_AFTER_S, UnpackedRoots
-from harbor_hpc.apptainer.sif import root_partition
+from harbor_hpc.containers.probes import missing_subid_ranges
+from harbor_hpc.containers.roots import RETRY_AFTER_S, UnpackedRoots
+from harbor_hpc.containers.sif import root_partition
 from harbor_hpc.core.scratch import remove_private_dir
 from tests.support.cli import cli, cli_json
 from tests.support.environments import started
@@ -112,6 +112,7 @@ def test_one_unpack_for_leases_at_once(debian_sif: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.small_disk
+@pytest.mark.apptainer_only  # its small disk (FUSE) refuses the kernel's overlay: Apptainer's own
 def test_an_image_that_does_not_fit_runs_from_its_sif(debian_sif: Path, tmp_path: Path) -> None:
     with small_disk(tmp_path, megabytes=16) as disk:
         roots = UnpackedRoots(disk / "roots", cap_bytes=1 << 40)
@@ -220,7 +221,7 @@ def test_a_start_that_finds_its_image_being_unpacked_does_not_wait_for_it(
     slow.chmod(0o755)
     unpacker = (
         "import sys, threading; from pathlib import Path;"
-        "from harbor_hpc.apptainer.roots import UnpackedRoots;"
+        "from harbor_hpc.containers.roots import UnpackedRoots;"
         "roots = UnpackedRoots.on_node(Path(sys.argv[1]), 'auto'); assert roots;"
         "image = Path(sys.argv[2]); roots.lease(image); roots.lease(image);"
         "[t.join() for t in threading.enumerate() if t.name.startswith('harbor-hpc-unpack')]"
@@ -256,7 +257,7 @@ def test_an_unpack_under_way_into_one_folder_leaves_another_folders_to_its_own(
     unpacker = """if True:
         import os, sys, time
         from pathlib import Path
-        from harbor_hpc.apptainer.roots import UnpackedRoots
+        from harbor_hpc.containers.roots import UnpackedRoots
         image, both = Path(sys.argv[3]), [UnpackedRoots(Path(f), None) for f in sys.argv[1:3]]
         for roots in both:
             roots.lease(image), roots.lease(image)  # seen, then unpacked in the background
@@ -292,7 +293,7 @@ def test_a_process_that_ends_after_its_start_finishes_the_unpack_it_began(
     scratch = tmp_path / "scratch"
     element = (
         "import sys; from pathlib import Path;"
-        "from harbor_hpc.apptainer.roots import UnpackedRoots;"
+        "from harbor_hpc.containers.roots import UnpackedRoots;"
         "roots = UnpackedRoots.on_node(Path(sys.argv[1]), 'auto'); assert roots;"
         "assert roots.lease(Path(sys.argv[2])) is None"
     )
@@ -320,7 +321,7 @@ def test_what_a_killed_unpack_left_goes_at_the_next_unpack(
     slow.chmod(0o755)
     unpacker = (
         "import sys; from pathlib import Path;"
-        "from harbor_hpc.apptainer.roots import UnpackedRoots;"
+        "from harbor_hpc.containers.roots import UnpackedRoots;"
         "UnpackedRoots(Path(sys.argv[1]), cap_bytes=1 << 40).lease(Path(sys.argv[2]))"
     )
     other = subprocess.Popen(

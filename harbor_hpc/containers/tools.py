@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import run_flags, try_exec
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import atomic_write_json, read_json
+from harbor_hpc.runtimes.apptainer import run_flags, try_exec
 
 TOOLS_SUFFIX = ".tools.json"
 

@@ -47,26 +47,26 @@ from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 
-from harbor_hpc.apptainer import gpus
-from harbor_hpc.apptainer.channel import CommandOutput
-from harbor_hpc.apptainer.container import (
+from harbor_hpc.containers import gpus
+from harbor_hpc.containers.channel import CommandOutput
+from harbor_hpc.containers.container import (
     ENV_FILES,
     ENV_NAME,
     SERVER_DIR,
     STAGING,
     Container,
 )
-from harbor_hpc.apptainer.egress import Egress
-from harbor_hpc.apptainer.environment_kwargs import accepted_environment_kwargs
-from harbor_hpc.apptainer.errors import (
+from harbor_hpc.containers.egress import Egress
+from harbor_hpc.containers.environment_kwargs import accepted_environment_kwargs
+from harbor_hpc.containers.errors import (
     ContainerStartFailed,
     ImageUnavailable,
     MemoryLimitExceededError,
     SetupScriptFailed,
     UnsupportedTask,
 )
-from harbor_hpc.apptainer.holder import Holder, HolderFailed, give_up, root_path
-from harbor_hpc.apptainer.limits import (
+from harbor_hpc.containers.holder import Holder, HolderFailed, give_up, root_path
+from harbor_hpc.containers.limits import (
     AS_YOU,
     DISK_FULL_PREFIX,
     ENOSPC_TEXT,
@@ -80,7 +80,7 @@ from harbor_hpc.apptainer.limits import (
     node_network,
     write_limits,
 )
-from harbor_hpc.apptainer.network import (
+from harbor_hpc.containers.network import (
     NETNS_HINT,
     RESOLV_CONF,
     OwnNetwork,
@@ -90,23 +90,12 @@ from harbor_hpc.apptainer.network import (
     network_hint,
     own_network_problem,
 )
-from harbor_hpc.apptainer.options import SingularityOptions
-from harbor_hpc.apptainer.pod import Sidecar, service_sif
-from harbor_hpc.apptainer.probes import install_problem, missing_subid_ranges, ran_out
-from harbor_hpc.apptainer.roots import Lease, UnpackedRoots
-from harbor_hpc.apptainer.runtime import (
-    DEFAULT_NO_MOUNT,
-    OVERLAY_OFF,
-    OVERLAY_OFF_FIX,
-    PATH_REFUSED,
-    SANDBOX_REFUSED,
-    container_runtime,
-    refuses_overlay_folders,
-    run_flags,
-    writes_in_memory,
-)
-from harbor_hpc.apptainer.sif import ImageConfig, foreign_architecture, image_config
-from harbor_hpc.apptainer.watchdog import (
+from harbor_hpc.containers.options import SingularityOptions
+from harbor_hpc.containers.pod import Sidecar, service_sif
+from harbor_hpc.containers.probes import install_problem, missing_subid_ranges, ran_out
+from harbor_hpc.containers.roots import Lease, UnpackedRoots
+from harbor_hpc.containers.sif import ImageConfig, foreign_architecture, image_config
+from harbor_hpc.containers.watchdog import (
     DiskKill,
     DiskWatchdog,
     MemoryWatchdog,
@@ -117,6 +106,17 @@ from harbor_hpc.apptainer.watchdog import (
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import filesystem_type
 from harbor_hpc.core.scratch import PrivateDir
+from harbor_hpc.runtimes import container_runtime
+from harbor_hpc.runtimes.apptainer import (
+    DEFAULT_NO_MOUNT,
+    OVERLAY_OFF,
+    OVERLAY_OFF_FIX,
+    PATH_REFUSED,
+    SANDBOX_REFUSED,
+    refuses_overlay_folders,
+    run_flags,
+    writes_in_memory,
+)
 from harbor_hpc.tasks.compose import MAIN, Compose, UnsupportedCompose, Volume, load_compose
 
 # Docker's working directory when the image names none.
@@ -406,7 +406,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 "set it to a .sif path or a registry reference (`harbor-hpc rewrite --sif` "
                 "does this)"
             )
-        from harbor_hpc.apptainer.store import checked_sif, ensure_sif, sif_file
+        from harbor_hpc.containers.store import checked_sif, ensure_sif, sif_file
 
         path = sif_file(image, self.environment_dir)
         if path is not None:
@@ -504,7 +504,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             limits.append(AS_YOU)
         if ROOT_MAPPED in self._main.stderr_text():
             limits.append(ONE_ID)
-        if self._main.runtime == "enroot" and self._holder and not self._holder.subids:
+        runtime = self._main.runtime
+        if not runtime.fakes_other_ids and self._holder and not self._holder.subids:
             limits.append(ONE_ID_ENROOT)
         if self._network_problem is not None:
             limits.append(node_network(self._network_problem))
@@ -531,11 +532,11 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         the path taken, and why, said in the trial's log."""
         assert self._main is not None
         path = None
-        enroot = self._main.runtime == "enroot"
-        if enroot and not self._fakeroot:
+        runtime = self._main.runtime
+        if not runtime.as_user and not self._fakeroot:
             raise ContainerStartFailed(
-                f"task {self.environment_name}: enroot runs a task as root in its container: "
-                "fakeroot=false needs Apptainer (runtime=apptainer)"
+                f"task {self.environment_name}: {runtime.name} runs a task as root in its "
+                "container: fakeroot=false needs Apptainer (runtime=apptainer)"
             )
         if self._fakeroot:
             subids = not missing_subid_ranges()
@@ -550,17 +551,17 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 self.logger.info(
                     "task %s: container root: %s%s",
                     self.environment_name,
-                    path.describe(self._main.runtime),
-                    ", started by enroot" if enroot else "",
+                    path.describe(runtime.name),
+                    f", started by {runtime.name}" if runtime.own_root_only else "",
                 )
                 return ()
             path = root_path(self._scratch_parent, subids=subids)
-        if enroot:
-            # Apptainer's own overlay is the only other path, and this node has no Apptainer.
+        if runtime.own_root_only:
+            # Apptainer's own overlay is the only other path, which this runtime cannot take.
             why = path.describe() if path is not None else "not asked"
             raise ContainerStartFailed(
-                f"task {self.environment_name}: enroot starts containers on a root of our own, "
-                f"which this node cannot mount: {why} (`harbor-hpc doctor` says why)"
+                f"task {self.environment_name}: {runtime.name} starts containers on a root of "
+                f"our own, which this node cannot mount: {why} (`harbor-hpc doctor` says why)"
             )
         if path is not None:
             self.logger.warning(
@@ -717,10 +718,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                     time.monotonic() - began,
                 )
             except HolderFailed as exc:
-                if self._main.runtime == "enroot":
+                if self._main.runtime.own_root_only:
                     raise ContainerStartFailed(
-                        f"task {self.environment_name}: its own root failed, which enroot "
-                        f"needs: {exc}"
+                        f"task {self.environment_name}: its own root failed, which "
+                        f"{self._main.runtime.name} needs: {exc}"
                     ) from exc
                 self.logger.warning(
                     "task %s: its own root failed (%s): Apptainer's own overlay on the .sif",
@@ -840,7 +841,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 sidecar.container.runtime = self._main.runtime
                 await self._lease_root(sidecar.container)
             binds = [*sidecar.container.mounts(), "-B", f"{private / 'hosts'}:/etc/hosts"]
-            if sidecar.container.runtime == "enroot":
+            if not sidecar.container.runtime.writes_hostname:
                 # Apptainer's --hostname writes /etc/hostname itself; enroot leaves the image's.
                 binds += ["-B", f"{private / 'hostname'}:/etc/hostname"]
             if self._own_network:

@@ -16,15 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.runtime import (
-    SQUASHFS_ARGS,
-    SQUASHFS_COMPRESSION,
-    find_apptainer,
-    run_flags,
-    sif_compression,
-    zstd_here,
-)
-from harbor_hpc.apptainer.store import (
+from harbor_hpc.containers.store import (
     checked_sif,
     ensure_sif,
     failure_hint,
@@ -34,6 +26,14 @@ from harbor_hpc.apptainer.store import (
     verify,
 )
 from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.runtimes.apptainer import (
+    SQUASHFS_ARGS,
+    SQUASHFS_COMPRESSION,
+    find_apptainer,
+    run_flags,
+    sif_compression,
+    zstd_here,
+)
 from tests.support.images import Recorder, TinyImage, damage, squashfs_compression
 from tests.support.users import lab_group, other_user_command
 
@@ -44,7 +44,7 @@ PRETEND_SHA256 = "sha256:" + hashlib.sha256(b"pretend image").hexdigest()
 CONVERTER = """\
 import sys
 from pathlib import Path
-from harbor_hpc.apptainer.store import ensure_sif
+from harbor_hpc.containers.store import ensure_sif
 force = sys.argv[3:] == ["--force"]
 print(ensure_sif(sys.argv[1], Path(sys.argv[2]), nohttps=True, force=force), flush=True)
 """

@@ -34,9 +34,9 @@ from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
-from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.proc import run
+from harbor_hpc.runtimes.apptainer import find_apptainer
 
 _MAGIC = b"SIF_MAGIC"
 _HEADER = struct.Struct("<32s10s3s3s16s8q")

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from harbor_hpc.apptainer import nodes
-from harbor_hpc.apptainer.enroot import find_enroot
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.proc import Ran, run
+from harbor_hpc.runtimes import apptainer_nodes
+from harbor_hpc.runtimes.base import Start
 
 log = logging.getLogger(__name__)
 
@@ -109,38 +109,6 @@ def apptainer_here() -> bool:
         return shutil.which(find_apptainer()) is not None
     except HarborHpcError:
         return False
-
-
-RUNTIMES = ("apptainer", "enroot")
-RUNTIME_ENV = "HARBOR_HPC_RUNTIME"
-
-
-def container_runtime(setting: str | None = None) -> str:
-    """What starts this node's containers: `setting` (the environment's `runtime`), else
-    $HARBOR_HPC_RUNTIME, else the config file's `runtime`; `auto` (the default) is Apptainer
-    where there is one (on PATH, or `HARBOR_HPC_APPTAINER`), else enroot where there is that;
-    neither is a HarborHpcError naming both."""
-    chosen = setting or os.environ.get(RUNTIME_ENV) or load_config().values.get("runtime")
-    chosen = chosen or "auto"
-    if chosen not in (*RUNTIMES, "auto"):
-        raise InputError(
-            f"runtime {chosen!r} is none of apptainer, enroot, auto",
-            hint=f"fix the environment's runtime, ${RUNTIME_ENV} or the config file's runtime",
-        )
-    if chosen != "auto":
-        return chosen
-    try:
-        find_apptainer()
-    except HarborHpcError:
-        if find_enroot() is not None:
-            return "enroot"
-        raise HarborHpcError(
-            "no container runtime here: neither Apptainer (apptainer, singularity) nor enroot "
-            "is on PATH",
-            hint="load one (`module load apptainer`, `module load enroot`), or name it with "
-            "HARBOR_HPC_APPTAINER or HARBOR_HPC_ENROOT",
-        ) from None
-    return "apptainer"
 
 
 # Root in the container, as Docker gives it: a user namespace mapping the user to root, with
@@ -274,7 +242,7 @@ def sif_compression() -> Compression:
     """How .sif files are compressed here: harbor-hpc.toml's `sif_compression`, "auto" by
     default, which is zstd where this node makes it and the nodes that will run the images
     read it: this node alone where there is no Slurm here, else the partitions' nodes as they
-    answered `harbor-hpc doctor --nodes` (apptainer/nodes.py); gzip, which every Apptainer
+    answered `harbor-hpc doctor --nodes` (runtimes/apptainer_nodes.py); gzip, which every Apptainer
     reads, where that is not known."""
     config = load_config()
     chosen = config.values.get("sif_compression", COMPRESSIONS[0])
@@ -292,7 +260,7 @@ def sif_compression() -> Compression:
         return Compression("zstd", f'{config.source} says sif_compression = "zstd"')
     if shutil.which("sbatch") is None:
         return Compression("zstd", "no Slurm here: images run on this node, which reads zstd")
-    reads, why = nodes.zstd_verdict()
+    reads, why = apptainer_nodes.zstd_verdict()
     return Compression("zstd" if reads else "gzip", why, askable=reads is None)
 
 
@@ -393,6 +361,34 @@ def container_flags(
     if own_network:
         flags += ["--net", "--network", "none"]
     return flags
+
+
+# Apptainer's fakeroot command inside a namespace mapping the user alone (no subuid range): it
+# fakes the image's other users, as Apptainer alone does for such a user (holder.py).
+ONE_ID_FLAGS = ("--fakeroot",)
+
+
+class Apptainer:
+    """Apptainer (or Singularity) as the runtime: on the .sif with its own overlay, or nested in
+    the holder's namespaces on a root of our own (`--writable`)."""
+
+    name = "apptainer"
+    own_root_only = False
+    as_user = True
+    fakes_other_ids = True
+    writes_hostname = True
+
+    def command(self, start: Start) -> list[str]:
+        flags = (() if start.subids else ONE_ID_FLAGS) if start.own_root else start.flags
+        return task_container_command(
+            start.image,
+            flags,
+            start.command,
+            overlay=None if start.own_root else start.overlay,
+            own_network=start.own_network,
+            no_mount=DEFAULT_NO_MOUNT if start.no_mount is None else start.no_mount,
+            options=start.options,
+        )
 
 
 def task_container_command(

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer import probes
-from harbor_hpc.apptainer.environment import SingularityEnvironment
-from harbor_hpc.apptainer.runtime import find_apptainer, run_flags, sif_compression, zstd_here
+from harbor_hpc.containers import probes
+from harbor_hpc.containers.environment import SingularityEnvironment
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.probe import Finding, Status
+from harbor_hpc.runtimes.apptainer import find_apptainer, run_flags, sif_compression, zstd_here
+
+# Apptainer's install and what doctor finds of it (enroot's: tests/containers/test_enroot.py).
+pytestmark = pytest.mark.apptainer_only
 
 
 def by_name(findings: list[Finding]) -> dict[str, Finding]:
@@ -144,7 +147,7 @@ def test_a_cache_that_cannot_keep_the_image_still_proves_exec(tmp_path: Path) ->
 
 
 FLEET = """
-from harbor_hpc.apptainer.probes import fleet_finding
+from harbor_hpc.containers.probes import fleet_finding
 found = fleet_finding()
 print(found.status.value, found.detail, sep="\\n")
 """

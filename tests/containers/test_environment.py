@@ -30,23 +30,23 @@ from typing import Any
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
-from harbor_hpc.apptainer.environment import SingularityEnvironment, exported_by_setup
-from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
-from harbor_hpc.apptainer.limits import AS_YOU, IN_MEMORY, ONE_ID, read_limits
-from harbor_hpc.apptainer.probes import missing_subid_ranges, trial_scratch_finding
-from harbor_hpc.apptainer.runtime import find_apptainer
-from harbor_hpc.apptainer.sif import (
+from harbor_hpc.containers.container import IMAGE_VIEW, server_mounts
+from harbor_hpc.containers.environment import SingularityEnvironment, exported_by_setup
+from harbor_hpc.containers.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
+from harbor_hpc.containers.limits import AS_YOU, IN_MEMORY, ONE_ID, read_limits
+from harbor_hpc.containers.probes import missing_subid_ranges, trial_scratch_finding
+from harbor_hpc.containers.sif import (
     ImageConfig,
     foreign_architecture,
     image_config,
     node_architecture,
     root_partition,
 )
-from harbor_hpc.apptainer.store import ensure_sif
-from harbor_hpc.apptainer.watchdog import process_tree
+from harbor_hpc.containers.store import ensure_sif
+from harbor_hpc.containers.watchdog import process_tree
 from harbor_hpc.core.probe import Status
 from harbor_hpc.results.classify import outcome_of_trial
+from harbor_hpc.runtimes.apptainer import find_apptainer
 from tests.support.environments import make_environment, started
 from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 from tests.support.users import other_user_command
@@ -615,10 +615,10 @@ def test_nothing_left_after_stop(
 HOST_THAT_DIES = """
 import asyncio, json, logging, os, signal, sys
 from pathlib import Path
-from harbor_hpc.apptainer.watchdog import process_tree
+from harbor_hpc.containers.watchdog import process_tree
 from harbor.models.task.config import EnvironmentConfig
 from harbor.models.trial.paths import TrialPaths
-from harbor_hpc.apptainer.environment import SingularityEnvironment
+from harbor_hpc.containers.environment import SingularityEnvironment
 
 async def main():
     folder = Path(sys.argv[2])
@@ -746,7 +746,9 @@ def test_other_user_cannot_reach_the_channel(debian_sif: Path, tmp_path: Path) -
 
 @pytest.mark.apptainer
 @pytest.mark.docker
-@pytest.mark.parametrize("fakeroot", [False, True])
+@pytest.mark.parametrize(
+    "fakeroot", [pytest.param(False, marks=pytest.mark.apptainer_only), True]
+)  # enroot runs tasks as root only
 def test_root_in_the_container_or_not(debian_sif: Path, tmp_path: Path, fakeroot: bool) -> None:
     """Whoever runs the tests (CI: an ordinary user) is root inside by default, and with
     fakeroot=false stays themselves, which the trial's folder says; uploads work either way.

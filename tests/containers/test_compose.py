@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.errors import UnsupportedTask
-from harbor_hpc.apptainer.pod import image_healthcheck
-from harbor_hpc.apptainer.probes import missing_subid_ranges
-from harbor_hpc.apptainer.sif import ImageConfig
+from harbor_hpc.containers.errors import UnsupportedTask
+from harbor_hpc.containers.pod import image_healthcheck
+from harbor_hpc.containers.probes import missing_subid_ranges
+from harbor_hpc.containers.sif import ImageConfig
 from harbor_hpc.tasks.compose import (
     Healthcheck,
     HealthProbe,
@@ -24,7 +24,7 @@ from harbor_hpc.tasks.compose import (
     Volume,
     load_compose,
 )
-from tests.apptainer.test_environment import ENVIRONMENT, HARBOR, reward
+from tests.containers.test_environment import ENVIRONMENT, HARBOR, reward
 from tests.support.cli import cli
 from tests.support.environments import make_environment
 from tests.support.sample_tasks import answer_service, make_task

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer import holder, probes, runtime
-from harbor_hpc.apptainer.errors import ContainerStartFailed
-from harbor_hpc.apptainer.limits import WRITABLE_TMPFS, read_limits
+from harbor_hpc.containers import holder, probes
+from harbor_hpc.containers.errors import ContainerStartFailed
+from harbor_hpc.containers.limits import WRITABLE_TMPFS, read_limits
 from harbor_hpc.core.probe import Finding, Status
+from harbor_hpc.runtimes import apptainer as runtime
 from tests.support.environments import make_environment
 
-pytestmark = [pytest.mark.apptainer, pytest.mark.docker]
+# apptainer.conf's policies: Apptainer's own (enroot reads none of it).
+pytestmark = [pytest.mark.apptainer, pytest.mark.docker, pytest.mark.apptainer_only]
 
 SYSTEM_CONF = Path("/etc/apptainer/apptainer.conf")
 Policy = Callable[[str, str], None]

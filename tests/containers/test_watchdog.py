@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.watchdog import (
+from harbor_hpc.containers.watchdog import (
     MB,
     RECHECK_SEC,
     DiskKill,

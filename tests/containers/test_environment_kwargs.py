@@ -3,7 +3,7 @@
 
 import pytest
 
-from harbor_hpc.apptainer.environment_kwargs import flag
+from harbor_hpc.containers.environment_kwargs import flag
 
 
 @pytest.mark.parametrize(

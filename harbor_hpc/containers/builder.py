@@ -16,7 +16,7 @@ For each planned image (one per distinct context, `images/build.py`):
 5. `apptainer build --fakeroot`: root in a user namespace (with the user's /etc/subuid range,
    so RUN can chown to the image's users: `doctor --role build` checks it). A failed RUN is
    named with its line and exit code, and the log.
-6. The final stage's config is written into the .sif (`oci-config.json`, apptainer/sif.py),
+6. The final stage's config is written into the .sif (`oci-config.json`, containers/sif.py),
    which is checked to run and moved into the store with its sha256 (`store_built`), recorded in
    the manifest: `rewrite --sif`, `convert` and `submit` take it as a converted image.
 """
@@ -29,9 +29,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import build_command, find_apptainer
-from harbor_hpc.apptainer.sif import raw_config, write_image_config
-from harbor_hpc.apptainer.store import (
+from harbor_hpc.containers.sif import raw_config, write_image_config
+from harbor_hpc.containers.store import (
     CONVERT_TIMEOUT_S,
     ensure_sif,
     is_ready,
@@ -55,6 +54,7 @@ from harbor_hpc.images.context import DOCKERFILE
 from harbor_hpc.images.definition import DefinitionError, write_definition
 from harbor_hpc.images.dockerfile import Dockerfile, Run, read_dockerfile
 from harbor_hpc.images.engine import BuilderKind
+from harbor_hpc.runtimes.apptainer import build_command, find_apptainer
 from harbor_hpc.tasks.manifest import ImageRecord
 
 # What the build's %post prints when a step fails (templates/apptainer_build.sh).

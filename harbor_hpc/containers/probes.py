@@ -26,19 +26,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harbor_hpc.apptainer import gpus
-from harbor_hpc.apptainer.container import IMAGE_VIEW, server_mounts
-from harbor_hpc.apptainer.enroot import find_enroot, private_env
-from harbor_hpc.apptainer.holder import root_path
-from harbor_hpc.apptainer.limits import ONE_ID
-from harbor_hpc.apptainer.network import (
+from harbor_hpc.containers import gpus
+from harbor_hpc.containers.container import IMAGE_VIEW, server_mounts
+from harbor_hpc.containers.holder import root_path
+from harbor_hpc.containers.limits import ONE_ID
+from harbor_hpc.containers.network import (
     egress_problem,
     netns_problem,
     network_hint,
     own_network_problem,
 )
-from harbor_hpc.apptainer.roots import UNPACK_AS_ROOT
-from harbor_hpc.apptainer.runtime import (
+from harbor_hpc.containers.roots import UNPACK_AS_ROOT
+from harbor_hpc.core.config import load_config
+from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.core.files import file_lock, filesystem_type
+from harbor_hpc.core.probe import Finding, Status, current_user
+from harbor_hpc.core.proc import Ran, run
+from harbor_hpc.core.scratch import PrivateDir
+from harbor_hpc.runtimes import container_runtime
+from harbor_hpc.runtimes.apptainer import (
     CANDIDATE_FLAGS,
     FAKEROOT,
     FAKEROOT_HINT,
@@ -52,7 +58,6 @@ from harbor_hpc.apptainer.runtime import (
     apptainer_here,
     apptainer_version,
     build_command,
-    container_runtime,
     find_apptainer,
     first_that_runs,
     refuses_overlay_folders,
@@ -60,12 +65,7 @@ from harbor_hpc.apptainer.runtime import (
     site_policy_fix,
     task_container_command,
 )
-from harbor_hpc.core.config import load_config
-from harbor_hpc.core.errors import HarborHpcError, InputError
-from harbor_hpc.core.files import file_lock, filesystem_type
-from harbor_hpc.core.probe import Finding, Status, current_user
-from harbor_hpc.core.proc import Ran, run
-from harbor_hpc.core.scratch import PrivateDir
+from harbor_hpc.runtimes.enroot import find_enroot, private_env
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def findings(cache_dir: Path) -> list[Finding]:
         chosen = container_runtime()
     except HarborHpcError as exc:
         return [Finding("runtime", Status.MISSING, exc.message, exc.hint or "")]
-    if chosen == "enroot":
+    if chosen.name == "enroot":
         return enroot_findings()
     install = install_findings()
     if any(finding.status is Status.MISSING for finding in install):
@@ -242,7 +242,7 @@ def install_problem(runtime: str | None = None) -> str | None:
         chosen = container_runtime(runtime)
     except HarborHpcError as exc:
         return f"{exc.message}; {exc.hint}"
-    install = install_findings() if chosen == "apptainer" else enroot_install_findings()
+    install = install_findings() if chosen.name == "apptainer" else enroot_install_findings()
     for finding in install:
         if finding.status is Status.MISSING:
             return f"{finding.detail}; {finding.fix}"
@@ -779,7 +779,7 @@ def build_findings(cache_dir: Path, scratch: Path | None = None) -> list[Finding
     """Whether `build --builder apptainer` works here, for this user."""
     # Imported here: the builder brings the image layer, which the environment (that imports
     # this module) does not need.
-    from harbor_hpc.apptainer.builder import scratch_dir
+    from harbor_hpc.containers.builder import scratch_dir
 
     install = install_findings()
     if any(finding.status is Status.MISSING for finding in install):

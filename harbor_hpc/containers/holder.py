@@ -46,23 +46,22 @@ from pathlib import Path
 
 import psutil
 
-from harbor_hpc.apptainer.gpus import driver_files
-from harbor_hpc.apptainer.runtime import find_apptainer
-from harbor_hpc.apptainer.sif import root_partition
+from harbor_hpc.containers.gpus import driver_files
+from harbor_hpc.containers.sif import root_partition
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.proc import run
 from harbor_hpc.core.scratch import remove_private_dir
 from harbor_hpc.core.templates import template_path
+from harbor_hpc.runtimes.apptainer import find_apptainer
 
 HOLD = (
     *("unshare", "--user", "--map-root-user", "--mount", "--pid"),
     *("--fork", "--kill-child", "--mount-proc"),
 )
 # The user's /etc/subuid and /etc/subgid ranges for the image's other users, as --fakeroot maps
-# them; without a range, root alone, and Apptainer's fakeroot command (nested: `--fakeroot`)
-# fakes the rest, as Apptainer alone does for such a user.
+# them; without a range, root alone (Apptainer's fakeroot command, nested, fakes the rest:
+# runtimes/apptainer.py ONE_ID_FLAGS).
 WITH_RANGES = ("--map-auto",)
-ONE_ID_FLAGS = ("--fakeroot",)
 
 
 def hold(subids: bool) -> tuple[str, ...]:

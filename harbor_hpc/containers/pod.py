@@ -24,11 +24,11 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from harbor_hpc.apptainer.builder import ApptainerBuilder, sif_name
-from harbor_hpc.apptainer.container import Container
-from harbor_hpc.apptainer.errors import ContainerStartFailed, ImageUnavailable
-from harbor_hpc.apptainer.sif import ImageConfig, image_config
-from harbor_hpc.apptainer.store import checked_sif, ensure_sif, is_ready, sif_file
+from harbor_hpc.containers.builder import ApptainerBuilder, sif_name
+from harbor_hpc.containers.container import Container
+from harbor_hpc.containers.errors import ContainerStartFailed, ImageUnavailable
+from harbor_hpc.containers.sif import ImageConfig, image_config
+from harbor_hpc.containers.store import checked_sif, ensure_sif, is_ready, sif_file
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.images.build import ImageFailed, PlannedImage
 from harbor_hpc.images.context import context_hash

@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.channel import Channel, ChannelClosed
-from harbor_hpc.apptainer.watchdog import kill_processes, tree_processes
+from harbor_hpc.containers.channel import Channel, ChannelClosed
+from harbor_hpc.containers.watchdog import kill_processes, tree_processes
 from harbor_hpc.core.templates import template_path
 
 # "py-fork": the python server as on an image whose python3 predates os.posix_spawn (3.8).

@@ -63,20 +63,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_hpc.apptainer.probes import missing_subid_ranges
-from harbor_hpc.apptainer.runtime import (
+from harbor_hpc.containers.probes import missing_subid_ranges
+from harbor_hpc.containers.sif import node_architecture, write_sif
+from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
+from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
+from harbor_hpc.core.proc import run
+from harbor_hpc.images import layers
+from harbor_hpc.images.reference import DIGEST, Reference, is_loopback
+from harbor_hpc.runtimes.apptainer import (
     SQUASHFS_ARGS,
     apptainer_here,
     build_command,
     run_flags,
     sif_compression,
 )
-from harbor_hpc.apptainer.sif import node_architecture, write_sif
-from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
-from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
-from harbor_hpc.core.proc import run
-from harbor_hpc.images import layers
-from harbor_hpc.images.reference import DIGEST, Reference, is_loopback
 
 if TYPE_CHECKING:
     from harbor_hpc.images.registry import Registry

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.holder import BASE_DIRS, bind_targets, root_path
-from harbor_hpc.apptainer.probes import missing_subid_ranges
+from harbor_hpc.containers.holder import BASE_DIRS, bind_targets, root_path
+from harbor_hpc.containers.probes import missing_subid_ranges
 from tests.support.environments import started
 from tests.support.small_disk import small_disk
 
@@ -32,6 +32,7 @@ def test_the_mount_points_are_the_binds_targets_files_for_files(tmp_path: Path) 
 @pytest.mark.apptainer
 @pytest.mark.docker
 @pytest.mark.small_disk
+@pytest.mark.apptainer_only
 def test_a_scratch_disk_the_kernels_overlay_refuses_takes_apptainers_own_overlay(
     debian_sif: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

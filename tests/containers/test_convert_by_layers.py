@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.apptainer.runtime import find_apptainer, zstd_here
-from harbor_hpc.apptainer.sif import raw_config, root_partition
-from harbor_hpc.apptainer.store import ensure_sif, is_ready
+from harbor_hpc.containers.sif import raw_config, root_partition
+from harbor_hpc.containers.store import ensure_sif, is_ready
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.runtimes.apptainer import find_apptainer, zstd_here
 from tests.support.environments import started
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,13 +23,11 @@ from pathlib import Path
 
 import psutil
 
-from harbor_hpc.apptainer import enroot
-from harbor_hpc.apptainer.channel import Channel, ChannelClosed, CommandOutput
-from harbor_hpc.apptainer.errors import ContainerDied, ContainerStartFailed
-from harbor_hpc.apptainer.holder import ONE_ID_FLAGS, Holder, bind_targets, shm_bind
-from harbor_hpc.apptainer.runtime import DEFAULT_NO_MOUNT, task_container_command
-from harbor_hpc.apptainer.sif import ImageConfig, root_partition
-from harbor_hpc.apptainer.watchdog import (
+from harbor_hpc.containers.channel import Channel, ChannelClosed, CommandOutput
+from harbor_hpc.containers.errors import ContainerDied, ContainerStartFailed
+from harbor_hpc.containers.holder import Holder, bind_targets, shm_bind
+from harbor_hpc.containers.sif import ImageConfig, root_partition
+from harbor_hpc.containers.watchdog import (
     kill_processes,
     process_tree,
     tree_processes,
@@ -37,6 +35,8 @@ from harbor_hpc.apptainer.watchdog import (
     whole_container,
 )
 from harbor_hpc.core.templates import template_path
+from harbor_hpc.runtimes import RUNTIMES
+from harbor_hpc.runtimes.base import Runtime, Start
 
 STAGING = "/staging"
 ENV_FILES = f"{STAGING}/env_files"
@@ -119,8 +119,8 @@ class Container:
         self.merged: Path | None = None
         self.image = image
         self.logger = logger
-        # What starts it (runtime.container_runtime): enroot only on a root of our own.
-        self.runtime = "apptainer"
+        # What starts it (runtimes.container_runtime): enroot only on a root of our own.
+        self.runtime: Runtime = RUNTIMES["apptainer"]
         self.process: asyncio.subprocess.Process | None = None
         self.channel: Channel | None = None
         self._stderr_tail: deque[str] = deque(maxlen=_STDERR_TAIL_LINES)
@@ -188,39 +188,28 @@ class Container:
         *,
         own_network: bool,
         options: Sequence[str],
-        no_mount: str = DEFAULT_NO_MOUNT,
+        no_mount: str | None = None,
         net_of: int | None = None,
     ) -> list[str]:
-        """The command starting the container's server in `workdir`: Apptainer with `flags`
-        (`run_flags`) and `options` on the .sif, or, in its holder's namespaces (and the network
-        namespace of host pid `net_of`), as root there on its own root: Apptainer's, or enroot's
-        where that is the runtime (enroot.py)."""
-        if self.runtime == "enroot":
-            assert self.holder is not None and self.merged is not None
-            return [
-                *self.holder.enter(net_of),
-                *enroot.container_command(
-                    self.merged,
-                    launcher(workdir),
-                    options=options,
-                    own_network=own_network,
-                    subids=self.holder.subids,
-                    sysconf_dir=enroot.sysconf(self.private),
-                ),
-            ]
-        if self.holder is not None:
-            # Root there already; without a subuid range, Apptainer's fakeroot command too.
-            flags = () if self.holder.subids else ONE_ID_FLAGS
-        apptainer = task_container_command(
-            self.image_path,
-            flags,
-            launcher(workdir),
-            overlay=None if self.holder else self.overlay,
-            own_network=own_network,
-            no_mount=no_mount,
+        """The command starting the container's server in `workdir`, as its runtime starts it:
+        on the .sif with Apptainer's `flags` (`run_flags`), or in its holder's namespaces (and
+        the network namespace of host pid `net_of`), as root there on its own root."""
+        start = Start(
+            command=launcher(workdir),
             options=options,
+            own_network=own_network,
+            image=self.image_path,
+            own_root=self.holder is not None,
+            subids=self.holder.subids if self.holder is not None else False,
+            private=self.private,
+            flags=flags,
+            overlay=self.overlay,
+            no_mount=no_mount,
         )
-        return [*self.holder.enter(net_of), *apptainer] if self.holder else apptainer
+        if self.holder is None:
+            return self.runtime.command(start)
+        assert self.merged is not None
+        return [*self.holder.enter(net_of), *self.runtime.command(start)]
 
     def mounts(self) -> list[str]:
         """Apptainer's options mounting what this container's server needs (`server_mounts`);
@@ -473,7 +462,7 @@ class Container:
             line = raw.decode(errors="replace").rstrip()
             if line and "gocryptfs not found" not in line:
                 self._stderr_tail.append(line)
-                self.logger.debug("[%s] %s", self.runtime, line)
+                self.logger.debug("[%s] %s", self.runtime.name, line)
 
     async def _drain_stderr(self) -> None:
         if self._stderr_task is not None:

@@ -1,5 +1,5 @@
-"""enroot as the runtime of a container whose root is our own (holder.py), on nodes without
-Apptainer (`runtime`: the setting, else Apptainer where there is one, else enroot).
+"""enroot as the runtime of a container whose root is our own (containers/holder.py), on nodes
+without Apptainer (`runtime`: the setting, else Apptainer where there is one, else enroot).
 
 enroot 4.1 starts a folder (`enroot start NAME`, NAME in ENROOT_DATA_PATH) in a mount namespace of
 its own: it mounts what its configuration's fstab files list, runs its hooks, and switches root
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harbor_hpc.core.errors import HarborHpcError
+from harbor_hpc.runtimes.base import Start
 
 # The container's /dev as Docker makes it (64 MB), the node's device nodes bound in.
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -165,3 +166,23 @@ def container_command(
         merged.name,
         *command,
     ]
+
+
+class Enroot:
+    """enroot 4.1 as the runtime: on a root of our own only, as the root of its namespaces."""
+
+    name = "enroot"
+    own_root_only = True
+    as_user = False
+    fakes_other_ids = False
+    writes_hostname = False
+
+    def command(self, start: Start) -> list[str]:
+        return container_command(
+            start.image,
+            start.command,
+            options=start.options,
+            own_network=start.own_network,
+            subids=start.subids,
+            sysconf_dir=sysconf(start.private),
+        )

@@ -17,8 +17,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from harbor_hpc.apptainer.runtime import find_apptainer
 from harbor_hpc.core.proc import run
+from harbor_hpc.runtimes.apptainer import find_apptainer
 
 # Where Slurm (and CUDA/ROCm launchers) say which devices a process may use, most specific first.
 VISIBLE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "SLURM_JOB_GPUS")

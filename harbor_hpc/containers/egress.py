@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
-from harbor_hpc.apptainer.network import NAMESERVER, ended
+from harbor_hpc.containers.network import NAMESERVER, ended
 from harbor_hpc.core.templates import template_path
 
 TABLE = "harbor_hpc"

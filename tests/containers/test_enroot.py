@@ -14,11 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harbor_hpc.apptainer.enroot import find_enroot
-from harbor_hpc.apptainer.probes import findings
-from harbor_hpc.apptainer.runtime import container_runtime, find_apptainer
+from harbor_hpc.containers.probes import findings
 from harbor_hpc.core.errors import InputError
 from harbor_hpc.core.probe import Status
+from harbor_hpc.runtimes import container_runtime
+from harbor_hpc.runtimes.apptainer import find_apptainer
+from harbor_hpc.runtimes.enroot import find_enroot
 from tests.support.environments import started
 from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 
@@ -32,8 +33,8 @@ def test_auto_takes_enroot_where_there_is_no_apptainer(monkeypatch: pytest.Monke
     monkeypatch.delenv("HARBOR_HPC_APPTAINER", raising=False)
     monkeypatch.setenv("PATH", str(Path(enroot).parent))
     find_apptainer.cache_clear()  # it is asked once per process
-    assert container_runtime("auto") == "enroot"
-    assert container_runtime("apptainer") == "apptainer"  # forced: its own error says why
+    assert container_runtime("auto").name == "enroot"
+    assert container_runtime("apptainer").name == "apptainer"  # forced: its own error says why
     monkeypatch.setenv("HARBOR_HPC_RUNTIME", "docker")
     with pytest.raises(InputError, match="'docker' is none of apptainer, enroot, auto"):
         container_runtime()

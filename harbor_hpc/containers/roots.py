@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from harbor_hpc.apptainer.sif import RootPartition, root_partition
+from harbor_hpc.containers.sif import RootPartition, root_partition
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import file_lock, filesystem_type
 from harbor_hpc.core.proc import run
