@@ -68,6 +68,7 @@ from harbor_hpc.containers.sif import node_architecture, write_sif
 from harbor_hpc.core.errors import HarborHpcError, InputError, from_os_error
 from harbor_hpc.core.files import LockTimeout, atomic_write_json, file_lock
 from harbor_hpc.core.proc import run
+from harbor_hpc.core.scratch import remove_private_dir
 from harbor_hpc.images import layers
 from harbor_hpc.images.reference import DIGEST, Reference, is_loopback
 from harbor_hpc.runtimes.apptainer import (
@@ -332,7 +333,7 @@ def _sweep(cache_dir: Path, name: str) -> None:
         with contextlib.suppress(OSError):
             debris.unlink()
     for work in _work_root(cache_dir).glob(f"{name}.*"):
-        shutil.rmtree(work, ignore_errors=True)
+        remove_private_dir(work)  # a root laid out from layers holds files of subordinate ids
 
 
 def _work_root(cache_dir: Path) -> Path:
@@ -398,7 +399,7 @@ def _convert(parsed: ResolvedImage, source: str, final: Path, *, use_http: bool)
         mark_checked(final, parsed, source, sha256=digest)
     finally:
         partial.unlink(missing_ok=True)
-        shutil.rmtree(work, ignore_errors=True)
+        remove_private_dir(work)
     log.info("converted %s in %.1f s", source, time.monotonic() - started)
 
 

@@ -12,9 +12,11 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -296,3 +298,39 @@ def test_the_quickstart_runs_where_enroot_is_the_only_runtime(tmp_path: Path) ->
     ]  # fmt: skip
     logs = [path.read_text() for path in (work / "run" / "trials").glob("*/trial.log")]
     assert len(logs) == 3 and all("started by enroot" in log for log in logs)
+
+
+CONVERTER = """\
+import sys
+from pathlib import Path
+from harbor_hpc.containers.store import ensure_sif
+ensure_sif(sys.argv[1], Path(sys.argv[2]))
+"""
+
+
+@pytest.mark.registry
+@pytest.mark.docker
+def test_a_converter_killed_while_it_lays_out_the_layers_leaves_nothing_after_the_next(
+    layered_image: tuple[str, str], tmp_path: Path, no_apptainer: None
+) -> None:
+    """Killed (-9, its namespace's processes too) with the image's files half laid out, some
+    of them the image's other users' (the user's subordinate ids): the next conversion of the
+    image removes them and makes the .sif."""
+    store = tmp_path / "store"
+    converter = subprocess.Popen(
+        [sys.executable, "-c", CONVERTER, layered_image[1], str(store)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(store.glob(".tmp/*/root/home/app")) and time.monotonic() < deadline:
+        assert converter.poll() is None, converter.communicate()
+        time.sleep(0.01)
+    os.killpg(converter.pid, signal.SIGKILL)
+    converter.wait()
+    assert list(store.glob(".tmp/*/root/home/app"))  # what it left, owned by a subordinate id
+    sif = ensure_sif(layered_image[1], store)
+    assert is_ready(sif)
+    assert list((store / ".tmp").iterdir()) == []
