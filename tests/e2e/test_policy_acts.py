@@ -42,10 +42,12 @@ ACTS: dict[str, tuple[str, float, int, float]] = {
     # ends as the shell's did, and the verifier scores the answer written before.
     "kill-all": ("echo 42 > /tmp/answer; kill -9 -1\n", 0.5, 512, 1.0),
     "exit": ("echo 42 > /tmp/answer; exit\n", 0.5, 512, 1.0),
-    # Its python3 is killed as Docker's OOM killer kills it; the shell and the agent go on.
+    # Its python3 is killed as Docker's OOM killer kills it; the shell and the agent go on. The
+    # policy waits for that: on a loaded node the watchdog's kill took longer than 0.5 s once,
+    # and a policy that stops waiting before its command ends is scored on what it left (0).
     "hog": (
         "python3 -c 'b = [b\"x\" * (20 << 20) for _ in range(60)]'; echo 42 > /tmp/answer\n",
-        0.5,
+        10,
         256,
         1.0,
     ),
