@@ -1,5 +1,9 @@
 """`convert` of a registry image where there is no Apptainer (issue 57), side by side in one run:
-`enroot import docker://...` (what an enroot cluster's user runs: a .sqsh, every file root's),
+`enroot import docker://...` (what an enroot cluster's user runs: a .sqsh, every file root's; in
+a user namespace, `unshare --map-root-user --map-auto`, because enroot's helpers need the file
+capabilities its enroot+caps package sets, which an enroot built from source has not: without
+them `enroot-aufs2ovlfs: failed to set capabilities`, and even in the namespace an image with an
+opaque folder fails, `failed to create opaque ovlfs whiteout`),
 ours from the image's layers (a .sif, owners kept: images/layers.py) and `apptainer build` (what
 `convert` runs where there is Apptainer), each from the same registry into a folder of its own,
 the variants interleaved round by round (the machine is shared and noisy).
@@ -33,7 +37,10 @@ def enroot_import(image: str, folder: Path) -> float:
     env = {**enroot_env(folder / "enroot"), "ENROOT_ALLOW_HTTP": "y"}
     began = time.perf_counter()
     subprocess.run(
-        ["enroot", "import", "-o", str(folder / "image.sqsh"), f"docker://{host}#{name}"],
+        [
+            *("unshare", "--map-root-user", "--map-auto", "enroot", "import"),
+            *("-o", str(folder / "image.sqsh"), f"docker://{host}#{name}"),
+        ],
         env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     return time.perf_counter() - began
