@@ -431,11 +431,11 @@ def _convert_by_layers(
     ranges = () if missing_subid_ranges() else ("--map-auto",)
     command = [
         *("unshare", "--map-root-user", *ranges),
-        *(sys.executable, "-I", "-m", "harbor_hpc.images.layers"),
+        *(sys.executable, "-m", "harbor_hpc.images.layers"),
         *(str(work / "root"), str(squashfs), json.dumps(SQUASHFS_ARGS if zstd else [])),
         *(str(layer) for layer in image.layers),
     ]
-    done = run(command, timeout=CONVERT_TIMEOUT_S, env=_importable())
+    done = run(command, timeout=CONVERT_TIMEOUT_S)
     if not done.ok:
         said = done.stderr.strip().splitlines()
         raise HarborHpcError(
@@ -447,14 +447,6 @@ def _convert_by_layers(
             "%s: every file of the image is root's: you have no /etc/subuid range here", source
         )
     write_sif(squashfs, image.config, image.architecture or architecture, partial)
-
-
-def _importable() -> dict[str, str]:
-    """This process's environment, with the folder harbor_hpc is imported from first on
-    PYTHONPATH (`-I` leaves out the working folder and the user's site packages)."""
-    package_root = str(Path(layers.__file__).resolve().parents[2])
-    paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def store_built(built: Path, final: Path, origin: str) -> str:

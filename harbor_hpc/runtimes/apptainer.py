@@ -220,9 +220,10 @@ class Compression:
 def zstd_here() -> str | None:
     """None when this node makes zstd images (Apptainer 1.4 or newer where there is Apptainer,
     a mksquashfs that takes SQUASHFS_ARGS, tried on an empty folder), else why not."""
-    version = apptainer_version(find_apptainer()) if apptainer_here() else None
+    here = apptainer_here()
+    version = apptainer_version(find_apptainer()) if here else None
     mksquashfs = shutil.which("mksquashfs")
-    if apptainer_here() and (version is None or version.release < ZSTD_MINIMUM):
+    if here and (version is None or version.release < ZSTD_MINIMUM):
         return f"this node's {version or 'Apptainer'} makes no zstd images (1.4 does)"
     if mksquashfs is None:
         return "mksquashfs is not on PATH (Apptainer then uses its own, with gzip)"
