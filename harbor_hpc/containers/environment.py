@@ -239,6 +239,15 @@ def _exec_result(output: CommandOutput) -> ExecResult:
     )
 
 
+def container_hostname() -> str:
+    """The container's name, as Docker names one: the first 12 hex digits of a random id, drawn
+    again while they are all decimal digits (moby's stringid does so: a resolver reads such a
+    name as an address, and `getent hosts $(hostname)` finds nothing; 1 in 280 draws)."""
+    while (name := uuid.uuid4().hex[:12]).isdigit():
+        pass
+    return name
+
+
 class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor ships no types
     """Runs a task in an Apptainer container from a .sif or a registry reference, and a
     compose task's services beside it as one pod (pod.py).
@@ -321,8 +330,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         self._network: OwnNetwork | None = None
         self._egress: Egress | None = None
         self._gpus: list[str] = []
-        # The container's name, as Docker names one (the first 12 hex digits of its id).
-        self.hostname = uuid.uuid4().hex[:12]
+        self.hostname = container_hostname()
 
     @staticmethod
     @override

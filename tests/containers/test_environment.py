@@ -31,7 +31,11 @@ import psutil
 import pytest
 
 from harbor_hpc.containers.container import IMAGE_VIEW, server_mounts
-from harbor_hpc.containers.environment import SingularityEnvironment, exported_by_setup
+from harbor_hpc.containers.environment import (
+    SingularityEnvironment,
+    container_hostname,
+    exported_by_setup,
+)
 from harbor_hpc.containers.errors import ContainerStartFailed, ImageUnavailable, SetupScriptFailed
 from harbor_hpc.containers.limits import AS_YOU, IN_MEMORY, ONE_ID, read_limits
 from harbor_hpc.containers.probes import missing_subid_ranges, trial_scratch_finding
@@ -61,6 +65,14 @@ if [ "$(cat /app/answer.txt)" = "{expected}" ]; then echo 1; else echo 0; fi \\
 
 
 # -- units that need no container ------------------------------------------------
+
+
+def test_a_hostname_is_never_all_digits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI drew 392880175286 once: `getent hosts $(hostname)` then finds nothing, as it would in
+    # no Docker container (moby draws such an id again).
+    ids = iter([uuid.UUID(int=0x3928801752860000 << 64), uuid.UUID(hex="ab" * 16)])
+    monkeypatch.setattr(uuid, "uuid4", lambda: next(ids))
+    assert container_hostname() == "abababababab"
 
 
 def test_exported_by_setup_keeps_new_and_changed_variables() -> None:
