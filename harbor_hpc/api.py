@@ -21,8 +21,10 @@ CLI's) for what a user can cause.
 - Sandboxes, for a trainer that drives the tools itself (TRL's `environment_factory`; TRL's
   own `HarborEnv` on them is `harbor_hpc.trl`): `SandboxPool(SandboxOptions(...))`, whose
   `open(task_dir)` gives a `Sandbox` (`exec`, `upload`, `download`, `verify()` -> a
-  `SandboxResult`, `close`; `a...` coroutines of each), `SandboxEnded` for a call on one that
-  is gone (docs/python.md, "Sandboxes").
+  `SandboxResult`, `close`, `fork(n)`: n sandboxes branched off it, each result's `Branch`
+  saying where; `a...` coroutines of each), `SandboxEnded` for a call on one that is gone
+  (docs/python.md, "Sandboxes"). `Snapshot`: a live container's files, from
+  `SingularityEnvironment.snapshot()`, restored by its `restore` (`fork` is both).
 - The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input;
   `TaskChangedError`, its kind for a run folder whose tasks changed since it ran them) and
   the environment's own, whose names `status` classifies (`MemoryLimitExceededError`,
@@ -49,9 +51,11 @@ from harbor_hpc.containers.errors import (
     ImageUnavailable,
     MemoryLimitExceededError,
     SetupScriptFailed,
+    SnapshotRefused,
     UnsupportedTask,
     error_policy_overrides,
 )
+from harbor_hpc.containers.snapshot import Snapshot
 from harbor_hpc.core.config import Config, configured, load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.ray.environment import RaySingularityEnvironment
@@ -62,6 +66,7 @@ from harbor_hpc.results.export import Export, ExportFormat
 from harbor_hpc.results.rollout import trial_rollout
 from harbor_hpc.results.status import AttemptStatus, RunStatus
 from harbor_hpc.sandbox.pool import (
+    Branch,
     Sandbox,
     SandboxEnded,
     SandboxOptions,
@@ -108,6 +113,7 @@ convert_images = _in_python_words(_convert.convert_images)
 __all__ = [
     "AttemptState",
     "AttemptStatus",
+    "Branch",
     "BuildRequest",
     "Config",
     "ContainerDied",
@@ -134,6 +140,8 @@ __all__ = [
     "SetupScriptFailed",
     "SingularityEnvironment",
     "SlurmPlacement",
+    "Snapshot",
+    "SnapshotRefused",
     "SubmitOptions",
     "SubmitResult",
     "TaskChangedError",

@@ -66,7 +66,9 @@ def mount(request):
     image_root = os.stat(lower)
     os.chown(request["upper"], image_root.st_uid, image_root.st_gid)
     os.chmod(request["upper"], stat.S_IMODE(image_root.st_mode))
-    dirs = f"lowerdir={lower},upperdir={request['upper']},workdir={request['work']}"
+    # A snapshot's layers (topmost first) between the upper and the image.
+    lowers = ":".join([*request.get("above", []), lower])
+    dirs = f"lowerdir={lowers},upperdir={request['upper']},workdir={request['work']}"
     run(["mount", "-t", "overlay", "overlay", "-o", dirs + ",userxattr", request["merged"]])
     if request.get("shm"):
         # The container's /dev/shm, as Docker's: a tmpfs of its own, 64 MB unless told.

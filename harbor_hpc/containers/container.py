@@ -173,12 +173,13 @@ class Container:
         """What Apptainer runs: its own root where it has one, else the .sif."""
         return self.merged or self.sif
 
-    async def mount_root(self, options: Sequence[str]) -> None:
+    async def mount_root(self, options: Sequence[str], above: Sequence[Path] = ()) -> None:
         """Mount the container's root in its holder's namespaces: the image's unpacked root
-        (`root`) or its .sif as lower, with the mount points of the binds in `options`."""
+        (`root`) or its .sif as lower, a snapshot's layers `above` it, with the mount points of
+        the binds in `options`."""
         assert self.holder is not None
         self.merged = await self.holder.mount(
-            self.root_state, self.sif, self.root, bind_targets(options)
+            self.root_state, self.sif, self.root, bind_targets(options), above
         )
 
     def command(

@@ -63,6 +63,7 @@ from harbor_hpc.containers.errors import (
     ImageUnavailable,
     MemoryLimitExceededError,
     SetupScriptFailed,
+    SnapshotRefused,
     UnsupportedTask,
 )
 from harbor_hpc.containers.holder import Holder, HolderFailed, give_up, root_path
@@ -95,6 +96,13 @@ from harbor_hpc.containers.pod import Sidecar, service_sif
 from harbor_hpc.containers.probes import install_problem, missing_subid_ranges, ran_out
 from harbor_hpc.containers.roots import Lease, UnpackedRoots
 from harbor_hpc.containers.sif import ImageConfig, foreign_architecture, image_config
+from harbor_hpc.containers.snapshot import (
+    Snapshot,
+    copy_upper,
+    live_snapshot,
+    stopped,
+    write_branch,
+)
 from harbor_hpc.containers.watchdog import (
     DiskKill,
     DiskWatchdog,
@@ -268,6 +276,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         logger: logging.Logger | None = None,
         **kwargs: Any,
     ) -> None:
+        # What a fork's children are made with (`restore`), a session and trial of their own.
+        self._made_with: dict[str, Any] = {
+            "environment_dir": environment_dir,
+            "environment_name": environment_name,
+            "task_env_config": task_env_config,
+            "logger": logger,
+            **{k: v for k, v in kwargs.items() if k != "restore_from"},
+        }
         # Harbor's own arguments go to its base; the rest are our options, typed.
         harbors = {k: v for k, v in kwargs.items() if k in BASE_KWARGS - SINGULARITY_OPTIONS}
         try:
@@ -300,6 +316,14 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             else UnpackedRoots.on_node(self._scratch_root, options.unpacked_roots)
         )
         self._root_leases: list[Lease] = []
+        # The snapshot its root starts from (`restore_from`), held while the root is mounted.
+        self._restore_from = options.restore_from
+        self._restored: Snapshot | None = None
+        self._snapshot_cap = (
+            options.snapshot_storage_mb * 1024 * 1024 if options.snapshot_storage_mb else None
+        )
+        # Why its root is not one of our own (Apptainer's own overlay), where it is not.
+        self._root_fallback: str | None = None
         # The namespaces the containers' own roots are mounted in (holder.py), where they are.
         self._holder: Holder | None = None
         # What the trial's folder says of this container's limits (limits.py).
@@ -575,6 +599,13 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             self.logger.warning(
                 "task %s: container root: %s", self.environment_name, path.describe()
             )
+        self._root_fallback = path.describe() if path is not None else "fakeroot=false"
+        if self._restore_from is not None:
+            raise ContainerStartFailed(
+                f"task {self.environment_name}: a container restored from a snapshot needs a "
+                f"root of our own, which this node cannot mount: {self._root_fallback} "
+                "(`harbor-hpc doctor` says why)"
+            )
         try:
             assert self.sif_path is not None
             return await asyncio.to_thread(run_flags, self.sif_path, fakeroot=self._fakeroot)
@@ -718,7 +749,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             try:
                 began = time.monotonic()
                 await self._lease_root(self._main)
-                await self._main.mount_root(self._options())
+                await self._main.mount_root(self._options(), above=self._snapshot_layers())
                 self.logger.debug(
                     "%s: its root over %s (%.2f s)",
                     self._main.name,
@@ -726,10 +757,15 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                     time.monotonic() - began,
                 )
             except HolderFailed as exc:
-                if self._main.runtime.own_root_only:
+                if self._main.runtime.own_root_only or self._restored is not None:
+                    needs = (
+                        self._main.runtime.name
+                        if self._main.runtime.own_root_only
+                        else "a container restored from a snapshot"
+                    )
                     raise ContainerStartFailed(
-                        f"task {self.environment_name}: its own root failed, which "
-                        f"{self._main.runtime.name} needs: {exc}"
+                        f"task {self.environment_name}: its own root failed, which {needs} "
+                        f"needs: {exc}"
                     ) from exc
                 self.logger.warning(
                     "task %s: its own root failed (%s): Apptainer's own overlay on the .sif",
@@ -805,6 +841,18 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 on_kill=self._note_disk_kill,
             )
             self._disk_watchdog.start()
+
+    def _snapshot_layers(self) -> list[Path]:
+        """The layers of the snapshot its root starts from (`restore_from`), held from now."""
+        if self._restore_from is None:
+            return []
+        if self._restored is None:
+            try:
+                self._restored = live_snapshot(self._restore_from)
+            except SnapshotRefused as exc:
+                raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from None
+            write_branch(self.trial_paths.trial_dir, self._restored)
+        return self._restored.layers
 
     async def _start_services(self, flags: tuple[str, ...], sifs: dict[str, Path]) -> None:
         """The compose services, each once what it depends on is as its condition asks; then
@@ -910,6 +958,10 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     async def _run_setup_script(self) -> None:
         """Source environment/files/setup.sh once, as Harbor's bootstrap does, and keep what
         it exports (a PATH to a venv, say) for every later command."""
+        if self._restored is not None:
+            # Its files are the ones setup.sh made in the container it was taken from.
+            self._persistent_env.update(self._restored.env)
+            return
         staging = self.staging_host_dir
         if staging is None or not (staging / "env_files" / "setup.sh").is_file():
             return
@@ -929,6 +981,80 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 (staging / ".hh" / "env.before").read_bytes(),
                 (staging / ".hh" / "env.after").read_bytes(),
             )
+        )
+
+    # -- snapshots and forks ----------------------------------------------------
+
+    async def snapshot(self, step: int | None = None) -> Snapshot:
+        """A copy of the main container's filesystem as it is now (snapshot.py): its processes
+        stopped while its upper is copied, then going on unchanged. The caller holds it until
+        `release()`; `restore` starts containers from it, in this process, on this node.
+        `step`: the episode's step (the caller's count), which the restored trials record."""
+        main = self._require_main()
+        name = f"task {self.environment_name}"
+        server = main.server_pid()
+        if main.holder is None or main.merged is None or main.pid is None or server is None:
+            raise SnapshotRefused(
+                f"{name}: a snapshot copies the container's own root (the kernel's overlay), and "
+                f"this container's is not one: {self._root_fallback} (`harbor-hpc doctor`)"
+            )
+        taken = Snapshot(self._scratch_parent, self._restored, self.trial_paths.trial_dir, step)
+        taken.env = dict(self._persistent_env)
+        enter = main.holder.enter()
+
+        def copy() -> None:
+            assert main.pid is not None and server is not None
+            with stopped(main.pid, server):
+                copy_upper(enter, main.root_state / "upper", taken, self._snapshot_cap)
+
+        try:
+            await asyncio.to_thread(copy)
+        except SnapshotRefused as exc:
+            taken.release()
+            raise SnapshotRefused(f"{name}: {exc}") from None
+        except BaseException:
+            taken.release()
+            raise
+        return taken
+
+    async def restore(self, snapshot: Snapshot, count: int = 1) -> list[SingularityEnvironment]:
+        """`count` environments of this one's class and task started from `snapshot`'s files,
+        each a container of its own (its own upper, network, limits, and a trial folder beside
+        this one's, `TRIAL.fork-ID`); the image's ENTRYPOINT runs in each, setup.sh not again
+        (its exports are carried). Processes are not: a child starts with its command server
+        alone. Where one fails to start, the others are stopped and its error raised."""
+        if count < 1:
+            raise ValueError(f"count={count}: at least 1")
+        children = [self._child(snapshot) for _ in range(count)]
+        started = await asyncio.gather(
+            *(child.start(force_build=False) for child in children), return_exceptions=True
+        )
+        failed = [result for result in started if isinstance(result, BaseException)]
+        if failed:
+            await asyncio.gather(
+                *(child.stop(delete=True) for child in children), return_exceptions=True
+            )
+            raise failed[0]
+        return children
+
+    async def fork(self, count: int, step: int | None = None) -> list[SingularityEnvironment]:
+        """`count` started copies of this environment as it is now (`snapshot`, `restore`):
+        the parent goes on unchanged, and no child sees another's writes."""
+        taken = await self.snapshot(step)
+        try:
+            return await self.restore(taken, count)
+        finally:
+            taken.release()  # the children hold it now
+
+    def _child(self, snapshot: Snapshot) -> SingularityEnvironment:
+        trial = self.trial_paths.trial_dir
+        paths = TrialPaths(trial.with_name(f"{trial.name}.fork-{uuid.uuid4().hex[:8]}"))
+        paths.mkdir()
+        return type(self)(
+            session_id=f"{self.session_id}.fork-{paths.trial_dir.name.rsplit('-', 1)[1]}",
+            trial_paths=paths,
+            restore_from=snapshot.path,
+            **self._made_with,
         )
 
     # -- exec -----------------------------------------------------------------
@@ -1167,6 +1293,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         for lease in self._root_leases:
             lease.release()
         self._root_leases = []
+        if self._restored is not None:
+            self._restored.release()
+            self._restored = None
 
     @override
     async def stop(self, delete: bool) -> None:

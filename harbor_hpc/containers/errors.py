@@ -45,6 +45,11 @@ class EnvironmentHostUnavailable(ContainerDied):
     The message names the node or the cluster."""
 
 
+class SnapshotRefused(RuntimeError):
+    """A snapshot or fork this container cannot give (its root is not one of our own, the
+    process's snapshots are at their cap, the copy failed): the message says why."""
+
+
 class UnsupportedTask(RuntimeError):
     """The task needs something this environment cannot give it faithfully (a compose feature
     one pod cannot honour, named in the message)."""

@@ -288,16 +288,23 @@ class Holder:
         return [*enter, "--"]
 
     async def mount(
-        self, state: Path, sif: Path, lower: Path | None, targets: tuple[list[str], list[str]]
+        self,
+        state: Path,
+        sif: Path,
+        lower: Path | None,
+        targets: tuple[list[str], list[str]],
+        above: Sequence[Path] = (),
     ) -> Path:
-        """Mount a container's root: `lower` (an unpacked root) or else `sif`'s squashfs, under
-        an upper and work folder in `state`; the mount points `targets` (dirs, files) made in
-        it; and a tmpfs of Docker's default size at `state`/shm, its /dev/shm (`shm_bind`).
-        The merged folder."""
+        """Mount a container's root: `lower` (an unpacked root) or else `sif`'s squashfs, with
+        the layers `above` it (a snapshot's, topmost first: snapshot.py), under an upper and
+        work folder in `state`; the mount points `targets` (dirs, files) made in it; and a
+        tmpfs of Docker's default size at `state`/shm, its /dev/shm (`shm_bind`). The merged
+        folder."""
         for name in ("upper", "work", "merged", "image", "shm"):
             (state / name).mkdir(parents=True)
         request: dict[str, object] = {
             "lower": str(lower or state / "image"),
+            "above": [str(layer) for layer in above],
             "upper": str(state / "upper"),
             "work": str(state / "work"),
             "merged": str(state / "merged"),

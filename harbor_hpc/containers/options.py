@@ -75,6 +75,17 @@ class SingularityOptions(EnvironmentOptions):  # type: ignore[misc]  # harbor sh
         description="`name:address,...` lines for the container's /etc/hosts, as "
         "`docker run --add-host` (a network allowlist resolves these names so too).",
     )
+    snapshot_storage_mb: int | None = Field(
+        None,
+        gt=0,
+        description="The most disk the snapshots this process takes (`fork`, `snapshot`) may "
+        "hold at once, in MB (default: no cap but the disk's).",
+    )
+    restore_from: Path | None = Field(
+        None,
+        description="A snapshot this process took (`SingularityEnvironment.snapshot`, its "
+        "`path`): the container starts from its files (what `fork` and `restore` set).",
+    )
     unpacked_roots: Annotated[
         Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"],
         BeforeValidator(_not_a_flag),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -35,7 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harbor_hpc.containers.errors import error_policy_overrides
+from harbor_hpc.containers.environment import SingularityEnvironment
+from harbor_hpc.containers.errors import SnapshotRefused, error_policy_overrides
+from harbor_hpc.containers.snapshot import Snapshot
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.results.classify import (
     FailureClass,
@@ -76,12 +79,22 @@ class SandboxEnded(HarborHpcError):
 
 
 @dataclass(frozen=True)
+class Branch:
+    """Where a forked sandbox branched off (`Sandbox.fork`): its parent sandbox (`parent`, its
+    `id`) and the parent's step then (the commands it had run, or the trainer's own count)."""
+
+    parent: str
+    step: int
+
+
+@dataclass(frozen=True)
 class SandboxResult:
     """What a sandbox came to, by the validity rule of docs/results.md. `reward`: the
     verifier's (by the pool's `reward_key`), None where it gave none; `trainable`: whether the
     policy alone made it, so that a trainer may learn from `reward`; otherwise `failure` names
     what failed and `message` says how. `trial_dir`: the trial's folder (Harbor's files), where
-    the pool keeps them."""
+    the pool keeps them. `sandbox`: the sandbox's `id`; `branch`: where it was forked from,
+    for a forked one (a trainer rebuilds the tree of a branching rollout from these)."""
 
     task: Path
     reward: float | None
@@ -90,6 +103,8 @@ class SandboxResult:
     message: str | None
     rewards: dict[str, float]
     trial_dir: Path | None
+    sandbox: str = ""
+    branch: Branch | None = None
 
     @classmethod
     def of(cls, task: Path, outcome: Outcome, trial_dir: Path | None) -> SandboxResult:
@@ -175,10 +190,23 @@ class Sandbox:
     """One task's sandbox (see the module's docstring). Blocking methods for threads, `a...`
     coroutines for event loops; every one safe from any thread or loop."""
 
-    def __init__(self, pool: SandboxPool, task: Task, *, claimed: bool) -> None:
+    def __init__(
+        self,
+        pool: SandboxPool,
+        task: Task,
+        *,
+        claimed: bool,
+        branch: Branch | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> None:
         self.task = task.path
         self.instruction = (task.path / "instruction.md").read_text()
         self.id = uuid.uuid4().hex[:12]
+        # Where it was forked from, and the snapshot it starts from (held until it ends).
+        self.branch = branch
+        self._snapshot = snapshot
+        # The commands it ran (`exec`): the step a fork of it branches at, unless told.
+        self.steps = 0
         self._pool = pool
         self._handoff = Handoff()
         HANDOFFS[self.id] = self._handoff
@@ -201,7 +229,8 @@ class Sandbox:
         try:
             await pool._starts.acquire(self._handoff.claimed)
             try:
-                trial = await pool._trial(task, self.id)
+                restore = self._snapshot.path if self._snapshot is not None else None
+                trial = await pool._trial(task, self.id, restore)
                 self._trial_dir = trial.paths.trial_dir
                 running = asyncio.create_task(trial.run())
                 await asyncio.wait(
@@ -211,7 +240,8 @@ class Sandbox:
                 pool._starts.release()
             self._used = time.monotonic()  # idle from now: a start is not idleness
             result = await running
-            return pool._read(task, trial.paths.trial_dir, result.model_dump(mode="json"))
+            read = pool._read(task, trial.paths.trial_dir, result.model_dump(mode="json"))
+            return self._named(read)
         except asyncio.CancelledError:
             if running is not None:
                 running.cancel()
@@ -221,16 +251,23 @@ class Sandbox:
                     shutil.rmtree(self._trial_dir, ignore_errors=True)
             why = self._given_back or "this process is ending"
             message = f"the sandbox was given back before it was verified: {why}"
-            return SandboxResult(
-                task.path, None, False, FailureClass.INFRASTRUCTURE, message, {}, None
+            return self._named(
+                SandboxResult(
+                    task.path, None, False, FailureClass.INFRASTRUCTURE, message, {}, None
+                )
             )
         except Exception as exc:  # before Harbor's trial could record it
             name = type(exc).__name__
             failure = failure_class(name, agent_started=False)
             message = short_message(name, str(exc))
-            return SandboxResult(task.path, None, False, failure, message, {}, None)
+            return self._named(SandboxResult(task.path, None, False, failure, message, {}, None))
         finally:
             HANDOFFS.pop(self.id, None)
+            if self._snapshot is not None:
+                self._snapshot.release()
+
+    def _named(self, result: SandboxResult) -> SandboxResult:
+        return dataclasses.replace(result, sandbox=self.id, branch=self.branch)
 
     async def _environment(self) -> BaseEnvironment:
         """The running environment, once the episode began; SandboxEnded once it is over. A
@@ -304,6 +341,7 @@ class Sandbox:
         `environment.exec`."""
 
         async def run(environment: BaseEnvironment) -> ExecResult:
+            self.steps += 1
             result: ExecResult = await environment.exec(
                 command, cwd=cwd, env=env, timeout_sec=timeout_sec, user=user
             )
@@ -332,6 +370,41 @@ class Sandbox:
                 await environment.download_file(source, target)
 
         await run_async(self._call(get))
+
+    async def afork(self, count: int, *, step: int | None = None) -> list[Sandbox]:
+        """`count` new sandboxes of the task whose files are this one's now (its processes
+        stopped while they are copied, then going on): each its own container, written apart
+        from this one and from each other, its episode started anew (no process is carried:
+        a harness re-opens its shell). Each one's result says its `branch`: this sandbox and
+        `step` (default: the commands it ran). Local sandboxes on a node whose containers have
+        a root of our own (`harbor-hpc doctor`'s `container root`); else refused in one line."""
+        if count < 1:
+            raise InputError(f"fork({count}): at least 1 sandbox")
+        return await run_async(self._fork(count, self.steps if step is None else step))
+
+    async def _fork(self, count: int, step: int) -> list[Sandbox]:
+        async def take(environment: BaseEnvironment) -> Snapshot:
+            if not isinstance(environment, SingularityEnvironment):
+                raise InputError(
+                    f"the sandbox of {self.task} runs on {type(environment).__name__}: forks "
+                    'are of local sandboxes (executor="local")'
+                )
+            try:
+                return await environment.snapshot(step)
+            except SnapshotRefused as exc:
+                raise InputError(str(exc)) from None
+
+        taken = await self._call(take)
+        try:
+            task = self._pool._task(self.task)
+            branch = Branch(parent=self.id, step=step)
+            children = []
+            for _ in range(count):
+                taken.hold()  # each child's, until it ends
+                children.append(self._pool._new(task, claimed=True, branch=branch, snapshot=taken))
+            return children
+        finally:
+            taken.release()
 
     async def averify(self) -> SandboxResult:
         """End the episode: the task's verifier runs as Harbor's trial runs it, the sandbox
@@ -393,6 +466,9 @@ class Sandbox:
 
     def download(self, source: str, target: Path | str, *, folder: bool = False) -> None:
         run_sync(self.adownload(source, target, folder=folder))
+
+    def fork(self, count: int, *, step: int | None = None) -> list[Sandbox]:
+        return run_sync(self.afork(count, step=step))
 
     def verify(self) -> SandboxResult:
         return run_sync(self.averify())
@@ -481,7 +557,7 @@ class SandboxPool:
 
     # ----- on the sandboxes' loop
 
-    async def _trial(self, task: Task, sandbox: str) -> Trial:
+    async def _trial(self, task: Task, sandbox: str, restore: Path | None = None) -> Trial:
         from harbor.models.trial.config import (
             AgentConfig,
             EnvironmentConfig,
@@ -497,7 +573,12 @@ class SandboxPool:
             trial_name=f"{task.path.name[:40]}__{sandbox}",
             trials_dir=self.trials_dir,
             agent=AgentConfig(import_path=AGENT, kwargs={"sandbox": sandbox}),
-            environment=EnvironmentConfig(import_path=self._environment, kwargs=self._kwargs),
+            environment=EnvironmentConfig(
+                import_path=self._environment,
+                kwargs=self._kwargs
+                if restore is None
+                else {**self._kwargs, "restore_from": restore},
+            ),
             override_error_policy=error_policy_overrides(),
         )
         redact_secrets_only()
@@ -513,8 +594,15 @@ class SandboxPool:
     def _done(self, sandbox: Sandbox) -> None:
         self._open.discard(sandbox)
 
-    def _new(self, task: Task, *, claimed: bool) -> Sandbox:
-        sandbox = Sandbox(self, task, claimed=claimed)
+    def _new(
+        self,
+        task: Task,
+        *,
+        claimed: bool,
+        branch: Branch | None = None,
+        snapshot: Snapshot | None = None,
+    ) -> Sandbox:
+        sandbox = Sandbox(self, task, claimed=claimed, branch=branch, snapshot=snapshot)
         self._open.add(sandbox)
         return sandbox
 
