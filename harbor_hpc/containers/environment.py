@@ -97,7 +97,9 @@ from harbor_hpc.containers.probes import install_problem, missing_subid_ranges, 
 from harbor_hpc.containers.roots import Lease, UnpackedRoots
 from harbor_hpc.containers.sif import ImageConfig, foreign_architecture, image_config
 from harbor_hpc.containers.snapshot import (
+    Restorable,
     Snapshot,
+    branch_record,
     copy_upper,
     live_snapshot,
     stopped,
@@ -319,6 +321,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         # The snapshot its root starts from (`restore_from`), held while the root is mounted.
         self._restore_from = options.restore_from
         self._restored: Snapshot | None = None
+        # Where it branched (`branch_record`), once started from a snapshot.
+        self.branch: dict[str, Any] | None = None
         self._snapshot_cap = (
             options.snapshot_storage_mb * 1024 * 1024 if options.snapshot_storage_mb else None
         )
@@ -851,7 +855,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 self._restored = live_snapshot(self._restore_from)
             except SnapshotRefused as exc:
                 raise ContainerStartFailed(f"task {self.environment_name}: {exc}") from None
-            write_branch(self.trial_paths.trial_dir, self._restored)
+            self.branch = branch_record(self._restored)
+            write_branch(self.trial_paths.trial_dir, self.branch)
         return self._restored.layers
 
     async def _start_services(self, flags: tuple[str, ...], sifs: dict[str, Path]) -> None:
@@ -985,11 +990,12 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
 
     # -- snapshots and forks ----------------------------------------------------
 
-    async def snapshot(self, step: int | None = None) -> Snapshot:
+    async def snapshot(self, step: int | None = None, source: Path | None = None) -> Snapshot:
         """A copy of the main container's filesystem as it is now (snapshot.py): its processes
         stopped while its upper is copied, then going on unchanged. The caller holds it until
         `release()`; `restore` starts containers from it, in this process, on this node.
-        `step`: the episode's step (the caller's count), which the restored trials record."""
+        `step`: the episode's step (the caller's count), which the restored trials record,
+        with the trial it was taken in (`source`: where that trial is, default its folder)."""
         main = self._require_main()
         name = f"task {self.environment_name}"
         server = main.server_pid()
@@ -998,7 +1004,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
                 f"{name}: a snapshot copies the container's own root (the kernel's overlay), and "
                 f"this container's is not one: {self._root_fallback} (`harbor-hpc doctor`)"
             )
-        taken = Snapshot(self._scratch_parent, self._restored, self.trial_paths.trial_dir, step)
+        source = source or self.trial_paths.trial_dir
+        taken = Snapshot(self._scratch_parent, self._restored, source, step)
         taken.env = dict(self._persistent_env)
         enter = main.holder.enter()
 
@@ -1016,6 +1023,16 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             taken.release()
             raise
         return taken
+
+    async def restorable(self, step: int | None = None) -> Restorable:
+        """A `snapshot` as the kwargs that restore it (`restore_from`), for environments Harbor
+        makes (`Sandbox.fork`'s trials)."""
+        taken = await self.snapshot(step)
+
+        async def release() -> None:
+            taken.release()
+
+        return Restorable({"restore_from": taken.path}, release)
 
     async def restore(self, snapshot: Snapshot, count: int = 1) -> list[SingularityEnvironment]:
         """`count` environments of this one's class and task started from `snapshot`'s files,

@@ -342,7 +342,8 @@ def container_root_finding(runtime: str = "apptainer") -> Finding:
     (holder.py), for the scratch folder trials use by default ($TMPDIR)."""
     path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
     if path.own:
-        return Finding("container root", Status.OK, path.describe(runtime))
+        detail = f"{path.describe(runtime)}; forks and snapshots: yes"
+        return Finding("container root", Status.OK, detail)
     hint = (
         "the subuid and subgid ranges above"
         if "subuid" in path.why
@@ -352,7 +353,7 @@ def container_root_finding(runtime: str = "apptainer") -> Finding:
     return Finding(
         "container root",
         Status.WARN,
-        path.describe(),
+        f"{path.describe()}; forks and snapshots: no (they copy a root of our own)",
         f"{hint}; meanwhile containers start and write as Apptainer alone gives them (named "
         "in each trial's log)",
     )

@@ -24,8 +24,10 @@ import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -45,6 +47,16 @@ _held_bytes = 0
 _held_lock = threading.Lock()
 # This process's snapshots, by folder, while held (`restore_from` names one).
 _live: dict[Path, Snapshot] = {}
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """A snapshot as the kwargs that start an environment of the same class from it (local or
+    on a Ray node), held until `release` is awaited: what `Sandbox.fork` asks an environment
+    for."""
+
+    kwargs: dict[str, Any]
+    release: Callable[[], Awaitable[None]]
 
 
 class Snapshot:
@@ -106,10 +118,15 @@ class Snapshot:
         return self._holders == 0
 
 
-def write_branch(trial_dir: Path, snapshot: Snapshot) -> None:
-    """Say in `trial_dir` (a restored container's trial) which trial it branched from, at
-    which step, so that a trainer can rebuild the tree."""
-    record = {"parent_trial": str(snapshot.source), "step": snapshot.step}
+def branch_record(snapshot: Snapshot) -> dict[str, Any]:
+    """Where a container restored from `snapshot` branched: the trial it was taken in, and
+    the step of that episode (`BRANCH` in its trial folder)."""
+    return {"parent_trial": str(snapshot.source), "step": snapshot.step}
+
+
+def write_branch(trial_dir: Path, record: dict[str, Any]) -> None:
+    """Say in `trial_dir` (a restored container's trial) where it branched (`branch_record`),
+    so that a trainer can rebuild the tree."""
     atomic_write_text(trial_dir / BRANCH, json.dumps(record) + "\n")
 
 

@@ -47,6 +47,7 @@ from harbor_hpc.containers.environment import (
 from harbor_hpc.containers.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.containers.errors import ContainerStartFailed, EnvironmentHostUnavailable
 from harbor_hpc.containers.options import SingularityOptions
+from harbor_hpc.containers.snapshot import Restorable, write_branch
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
 from harbor_hpc.ray.connect import cluster_problem, connect
 from harbor_hpc.ray.host import (
@@ -79,6 +80,8 @@ STOP_TIMEOUT_SEC = 60.0
 # Harbor's own kwargs the container's host has no use for: the trial's log folders are not
 # mounted from the driver's filesystem (they are copied, `mounted=False`).
 _DRIVER_ONLY = frozenset({"mounts", "stream"})
+# The label every Ray node has: its id (`ray.util.placement_group.NODE_ID_LABEL_KEY`).
+NODE_ID_LABEL = "ray.io/node-id"
 # Host actors of this process, by node id: one per node, made on first use.
 _hosts: dict[str, tuple[Any, str]] = {}
 _hosts_lock = threading.Lock()
@@ -211,6 +214,14 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         logger: logging.Logger | None = None,
         **kwargs: Any,
     ) -> None:
+        # What a fork's children are made with (`fork`), a session and trial of their own.
+        self._made_with: dict[str, Any] = {
+            "environment_dir": environment_dir,
+            "environment_name": environment_name,
+            "task_env_config": task_env_config,
+            "logger": logger,
+            **{k: v for k, v in kwargs.items() if k not in {"restore_from", "ray_labels"}},
+        }
         harbors = {k: v for k, v in kwargs.items() if k in BASE_KWARGS - RAY_OPTIONS}
         try:
             self.options = self.parse_options({k: v for k, v in kwargs.items() if k not in harbors})
@@ -498,11 +509,70 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         )
         try:
             await self._place()
-            await self._call("start", self._id, spec, force_build)
+            branch = await self._call("start", self._id, spec, force_build)
+            if branch is not None:
+                write_branch(self.trial_paths.trial_dir, branch)
             await self.ensure_dirs(self._mount_targets(writable_only=True))
         except BaseException:
             await self.stop(delete=True)
             raise
+
+    # -- snapshots and forks ---------------------------------------------------------------
+
+    async def restorable(self, step: int | None = None) -> Restorable:
+        """A snapshot of the container, taken on its node (`SingularityEnvironment.snapshot`)
+        and held there, as the kwargs that start an environment from it: `restore_from`, and
+        the node's id among `ray_labels` (a snapshot is restored on the node that holds it)."""
+        if self._host is None or self._node_id is None:
+            raise RuntimeError(f"task {self.environment_name}: the environment is not started")
+        path = await self._call("snapshot", self._id, step, self.trial_paths.trial_dir)
+        labels = {**self._ray_labels, NODE_ID_LABEL: self._node_id}
+        host = self._host
+
+        async def release() -> None:
+            if self._host is host:
+                await self._call("release_snapshot", path)
+            else:  # the parent stopped meanwhile: its host is asked, unanswered
+                host.call.remote(uuid.uuid4().hex, "release_snapshot", path)
+
+        kwargs = {
+            "restore_from": path,
+            "ray_labels": ",".join(f"{key}={value}" for key, value in labels.items()),
+        }
+        return Restorable(kwargs, release)
+
+    async def fork(self, count: int, step: int | None = None) -> list[RaySingularityEnvironment]:
+        """`count` started copies of this environment as it is now, on its node (each its own
+        placement group there, waiting for room as any start): the parent goes on unchanged,
+        and no child sees another's writes. As `SingularityEnvironment.fork`."""
+        if count < 1:
+            raise ValueError(f"count={count}: at least 1")
+        taken = await self.restorable(step)
+        try:
+            children = [self._child(taken) for _ in range(count)]
+            started = await asyncio.gather(
+                *(child.start(force_build=False) for child in children), return_exceptions=True
+            )
+        finally:
+            await taken.release()  # each child holds the copy now
+        failed = [result for result in started if isinstance(result, BaseException)]
+        if failed:
+            await asyncio.gather(
+                *(child.stop(delete=True) for child in children), return_exceptions=True
+            )
+            raise failed[0]
+        return children
+
+    def _child(self, taken: Restorable) -> RaySingularityEnvironment:
+        trial = self.trial_paths.trial_dir
+        paths = TrialPaths(trial.with_name(f"{trial.name}.fork-{uuid.uuid4().hex[:8]}"))
+        paths.mkdir()
+        return type(self)(
+            session_id=f"{self.session_id}.fork-{paths.trial_dir.name.rsplit('-', 1)[1]}",
+            trial_paths=paths,
+            **self._made_with,
+            **taken.kwargs,
+        )
 
     # -- exec -------------------------------------------------------------------------------
 

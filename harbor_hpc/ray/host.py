@@ -36,6 +36,7 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.containers.environment import SingularityEnvironment
 from harbor_hpc.containers.errors import ContainerStartFailed
+from harbor_hpc.containers.snapshot import Snapshot
 
 # One Ray call's worth of a transfer: big enough that a folder of gigabytes is a few hundred
 # calls, small enough that neither side notices holding it.
@@ -43,7 +44,10 @@ CHUNK_BYTES = 8 << 20
 # The host's methods `call` runs once per id, and how many finished outcomes it keeps for a
 # driver that asks again (a command's output at most: transfers return nothing).
 ONCE = frozenset(
-    {"start", "exec", "set_network_policy", "stop_service", "put", "upload", "download", "stop"}
+    {
+        *("start", "exec", "set_network_policy", "stop_service", "put", "upload", "download"),
+        *("snapshot", "release_snapshot", "stop"),
+    }
 )
 KEEP_OUTCOMES = 256
 
@@ -96,6 +100,8 @@ class EnvironmentHost:
         self._dir = Path(tempfile.mkdtemp(prefix="harbor-hpc-ray-host-"))  # 0700
         self._logger = logging.getLogger("harbor_hpc.ray.host")
         self._calls: OrderedDict[str, asyncio.Task[Any]] = OrderedDict()
+        # The snapshots the driver holds (`snapshot`), by folder, until it lets go of them.
+        self._snapshots: dict[str, Snapshot] = {}
 
     async def call(self, call_id: str, method: str, *args: Any) -> Any:
         """`method(*args)`, run once for `call_id`: asked again (the driver lost the answer),
@@ -122,7 +128,10 @@ class EnvironmentHost:
             raise RuntimeError(f"no environment {env_id} on {socket.gethostname()}: stopped?")
         return environment
 
-    async def start(self, env_id: str, spec: EnvironmentSpec, force_build: bool) -> None:
+    async def start(
+        self, env_id: str, spec: EnvironmentSpec, force_build: bool
+    ) -> dict[str, Any] | None:
+        """Start the environment; where it branched, if it started from a snapshot."""
         if not spec.environment_dir.is_dir():
             raise ContainerStartFailed(
                 f"task {spec.environment_name}: its environment folder {spec.environment_dir} "
@@ -144,6 +153,7 @@ class EnvironmentHost:
         except BaseException:
             del self._environments[env_id]
             raise
+        return environment.branch
 
     async def set_network_policy(self, env_id: str, policy: NetworkPolicy) -> None:
         await self._environment(env_id).set_network_policy(policy)
@@ -158,6 +168,19 @@ class EnvironmentHost:
             user=request.user,
         )
         return result.stdout, result.stderr, result.return_code
+
+    async def snapshot(self, env_id: str, step: int | None, source: Path) -> str:
+        """A snapshot of the environment's container, held for the driver: its folder, which
+        environments started here with `restore_from` start from (`source`: the trial on the
+        driver, which they name as their parent)."""
+        taken = await self._environment(env_id).snapshot(step, source)
+        self._snapshots[str(taken.path)] = taken
+        return str(taken.path)
+
+    async def release_snapshot(self, path: str) -> None:
+        taken = self._snapshots.pop(path, None)
+        if taken is not None:
+            taken.release()
 
     async def stop_service(self, env_id: str, service: str) -> None:
         await self._environment(env_id).stop_service(service)

@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 from harbor_hpc.containers.environment import SingularityEnvironment
 from harbor_hpc.containers.errors import SnapshotRefused, error_policy_overrides
-from harbor_hpc.containers.snapshot import Snapshot
+from harbor_hpc.containers.snapshot import Restorable
 from harbor_hpc.core.errors import HarborHpcError, InputError
+from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.results.classify import (
     FailureClass,
     Outcome,
@@ -197,14 +198,15 @@ class Sandbox:
         *,
         claimed: bool,
         branch: Branch | None = None,
-        snapshot: Snapshot | None = None,
+        restore: dict[str, Any] | None = None,
     ) -> None:
         self.task = task.path
         self.instruction = (task.path / "instruction.md").read_text()
         self.id = uuid.uuid4().hex[:12]
-        # Where it was forked from, and the snapshot it starts from (held until it ends).
+        # Where it was forked from, and the environment kwargs that start it from its parent's
+        # snapshot (`Restorable`).
         self.branch = branch
-        self._snapshot = snapshot
+        self._restore = restore or {}
         # The commands it ran (`exec`): the step a fork of it branches at, unless told.
         self.steps = 0
         self._pool = pool
@@ -229,8 +231,7 @@ class Sandbox:
         try:
             await pool._starts.acquire(self._handoff.claimed)
             try:
-                restore = self._snapshot.path if self._snapshot is not None else None
-                trial = await pool._trial(task, self.id, restore)
+                trial = await pool._trial(task, self.id, self._restore)
                 self._trial_dir = trial.paths.trial_dir
                 running = asyncio.create_task(trial.run())
                 await asyncio.wait(
@@ -263,8 +264,6 @@ class Sandbox:
             return self._named(SandboxResult(task.path, None, False, failure, message, {}, None))
         finally:
             HANDOFFS.pop(self.id, None)
-            if self._snapshot is not None:
-                self._snapshot.release()
 
     def _named(self, result: SandboxResult) -> SandboxResult:
         return dataclasses.replace(result, sandbox=self.id, branch=self.branch)
@@ -376,21 +375,23 @@ class Sandbox:
         stopped while they are copied, then going on): each its own container, written apart
         from this one and from each other, its episode started anew (no process is carried:
         a harness re-opens its shell). Each one's result says its `branch`: this sandbox and
-        `step` (default: the commands it ran). Local sandboxes on a node whose containers have
-        a root of our own (`harbor-hpc doctor`'s `container root`); else refused in one line."""
+        `step` (default: the commands it ran). Returns once they started (or failed: their
+        results say how). Local and on Ray (the children on the parent's node), where the
+        containers have a root of our own (`harbor-hpc doctor`'s `container root`); else
+        refused in one line."""
         if count < 1:
             raise InputError(f"fork({count}): at least 1 sandbox")
         return await run_async(self._fork(count, self.steps if step is None else step))
 
     async def _fork(self, count: int, step: int) -> list[Sandbox]:
-        async def take(environment: BaseEnvironment) -> Snapshot:
-            if not isinstance(environment, SingularityEnvironment):
+        async def take(environment: BaseEnvironment) -> Restorable:
+            if not isinstance(environment, (SingularityEnvironment, RaySingularityEnvironment)):
                 raise InputError(
-                    f"the sandbox of {self.task} runs on {type(environment).__name__}: forks "
-                    'are of local sandboxes (executor="local")'
+                    f"the sandbox of {self.task} runs on {type(environment).__name__}, which "
+                    "has no snapshots to fork"
                 )
             try:
-                return await environment.snapshot(step)
+                return await environment.restorable(step)
             except SnapshotRefused as exc:
                 raise InputError(str(exc)) from None
 
@@ -398,13 +399,17 @@ class Sandbox:
         try:
             task = self._pool._task(self.task)
             branch = Branch(parent=self.id, step=step)
-            children = []
-            for _ in range(count):
-                taken.hold()  # each child's, until it ends
-                children.append(self._pool._new(task, claimed=True, branch=branch, snapshot=taken))
+            children = [
+                self._pool._new(task, claimed=True, branch=branch, restore=taken.kwargs)
+                for _ in range(count)
+            ]
+            # Started (each holding the copy), or failed, before the fork lets go of it.
+            await asyncio.gather(
+                *(child._environment() for child in children), return_exceptions=True
+            )
             return children
         finally:
-            taken.release()
+            await taken.release()
 
     async def averify(self) -> SandboxResult:
         """End the episode: the task's verifier runs as Harbor's trial runs it, the sandbox
@@ -557,7 +562,7 @@ class SandboxPool:
 
     # ----- on the sandboxes' loop
 
-    async def _trial(self, task: Task, sandbox: str, restore: Path | None = None) -> Trial:
+    async def _trial(self, task: Task, sandbox: str, restore: dict[str, Any]) -> Trial:
         from harbor.models.trial.config import (
             AgentConfig,
             EnvironmentConfig,
@@ -575,9 +580,7 @@ class SandboxPool:
             agent=AgentConfig(import_path=AGENT, kwargs={"sandbox": sandbox}),
             environment=EnvironmentConfig(
                 import_path=self._environment,
-                kwargs=self._kwargs
-                if restore is None
-                else {**self._kwargs, "restore_from": restore},
+                kwargs={**self._kwargs, **restore},
             ),
             override_error_policy=error_policy_overrides(),
         )
@@ -600,9 +603,9 @@ class SandboxPool:
         *,
         claimed: bool,
         branch: Branch | None = None,
-        snapshot: Snapshot | None = None,
+        restore: dict[str, Any] | None = None,
     ) -> Sandbox:
-        sandbox = Sandbox(self, task, claimed=claimed, branch=branch, snapshot=snapshot)
+        sandbox = Sandbox(self, task, claimed=claimed, branch=branch, restore=restore)
         self._open.add(sandbox)
         return sandbox
 

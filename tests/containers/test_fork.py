@@ -20,6 +20,7 @@ from harbor_hpc.containers.errors import SnapshotRefused
 from harbor_hpc.containers.snapshot import PREFIX, held_bytes
 from harbor_hpc.containers.watchdog import process_tree
 from harbor_hpc.core.scratch import sweep
+from tests.containers.test_compose import POD, PROBE, write_compose
 from tests.support.environments import make_environment, started
 from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 
@@ -233,3 +234,38 @@ def test_nothing_is_left_when_the_driver_of_forks_is_killed(
     (left,) = snapshots(scratch)
     assert sweep(PREFIX, scratch) == [left]
     assert snapshots(scratch) == []
+
+
+def test_a_fork_of_a_compose_pod_gets_a_pod_of_its_own(debian_sif: Path, tmp_path: Path) -> None:
+    """A pod's fork: the main container's files carried, its services and volumes started
+    anew beside each child (as `docker commit` carries neither), each reachable by name."""
+    env_dir = tmp_path / "environment"
+    write_compose(env_dir, POD.format(image=debian_sif, probe=PROBE))
+    parent = make_environment(
+        str(debian_sif), tmp_path, env_dir, memory_mb=1024, scratch_dir=str(tmp_path / "scratch")
+    )
+    probe = (
+        'cat /root/m; cat /shared/seed; ls /shared; python3 -c "import os, urllib.request as u;'
+        " print(u.urlopen(os.environ['API_URL']).status)\""
+    )
+
+    async def main() -> tuple[list[str], list[str]]:
+        await parent.start(force_build=False)
+        try:
+            await out(parent, "echo main > /root/m && echo parent > /shared/note")
+            children = await parent.fork(2)
+            try:
+                seen = [await out(child, probe) for child in children]
+                api = [
+                    (await child.service_exec("hostname; ls /shared", service="api")).stdout or ""
+                    for child in children
+                ]
+            finally:
+                await asyncio.gather(*(child.stop(delete=True) for child in children))
+        finally:
+            await parent.stop(delete=True)
+        return seen, api
+
+    seen, api = asyncio.run(main())
+    assert seen == ["main\nseeded\nseed\n200\n"] * 2
+    assert api == ["api\nseed\n"] * 2

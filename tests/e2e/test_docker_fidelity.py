@@ -353,7 +353,7 @@ def test_the_root_takes_the_path_doctor_names_and_installs_packages(
     where there is none), and on it directories of the image are renamed and a package is
     installed with dpkg, as under Docker."""
     path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
-    assert container_root_finding().detail == path.describe()
+    assert container_root_finding().detail == f"{path.describe()}; forks and snapshots: yes"
     assert path.own and path.subids == (not missing_subid_ranges()), path
     package = (
         "mkdir -p /tmp/p/DEBIAN /tmp/p/usr/share/hh-pkg"

@@ -24,7 +24,7 @@ from harbor_hpc.ray.environment import RaySingularityEnvironment
 from harbor_hpc.ray.host import CHUNK_BYTES
 from tests.ray.conftest import RayCluster
 from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
-from tests.support.sample_tasks import answer_service
+from tests.support.sample_tasks import answer_service, make_task
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.apptainer, pytest.mark.docker]
 
@@ -276,6 +276,53 @@ def test_placement_holds_the_tasks_cpus_and_says_when_no_node_has_room(
     assert never["seconds"] < 30
 
 
+FORKS = """
+async def main():
+    from harbor_hpc.api import SandboxOptions, SandboxPool
+    parent = make("parent")
+    await parent.start(False)
+    await parent.exec("echo parent > /root/a && chown 65534 /root/a")
+    children = await parent.fork(2, step=3)
+    seen = [(await c.exec("cat /root/a; stat -c %u /root/a")).stdout for c in children]
+    for k, child in enumerate(children):
+        await child.exec(f"echo {k} > /root/a")
+    after = [(await e.exec("cat /root/a")).stdout for e in [parent, *children]]
+    nodes = [e.node_id for e in [parent, *children]]
+    branch = json.loads((children[0].trial_paths.trial_dir / "branch.json").read_text())
+    await asyncio.gather(*(e.stop(True) for e in [parent, *children]))
+    show(seen=seen, after=after, nodes=nodes, branch=branch,
+         parent=str(parent.trial_paths.trial_dir))
+    # The sandbox API's branching rollout on Ray: forked at a turn, each child its own reward.
+    kwargs = {"ray_cluster_dir": CLUSTER_DIR, "ray_cpus": 0.1}
+    with SandboxPool(SandboxOptions(executor="ray", environment_kwargs=kwargs)) as pool:
+        root = await pool.aopen(sys.argv[4])
+        await root.aexec("echo 42 > /tmp/partial")
+        right, wrong = await root.afork(2)
+        await right.aexec("cat /tmp/partial > /tmp/answer")
+        await wrong.aexec("echo 41 > /tmp/answer")
+        results = [await child.averify() for child in (right, wrong)]
+        show(
+            rewards=[[r.reward, r.trainable] for r in results],
+            parents=[r.branch.parent == root.id and r.branch.step == 1 for r in results],
+        )
+"""
+
+
+def test_forks_on_ray_land_on_the_parents_node_and_branch_apart(
+    ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
+) -> None:
+    """`fork` of a Ray environment, and a branching rollout of the sandbox API on Ray: each
+    child on the node that holds the parent's copy, written apart, its reward its own."""
+    task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    driver = drive(FORKS, debian_sif, tmp_path / "run", ray_cluster["cluster_dir"], str(task))
+    forks, branched = lines(driver, timeout=300)
+    assert forks["seen"] == ["parent\n65534\n"] * 2
+    assert forks["after"] == ["parent\n", "0\n", "1\n"]
+    assert len(set(forks["nodes"])) == 1
+    assert forks["branch"] == {"parent_trial": forks["parent"], "step": 3}
+    assert branched == {"rewards": [[1.0, True], [0.0, True]], "parents": [True, True]}
+
+
 def test_unknown_kwargs_name_both_kinds_accepted(tmp_path: Path) -> None:
     with pytest.raises(ContainerStartFailed) as raised:
         RaySingularityEnvironment(
@@ -294,8 +341,6 @@ def test_harbor_trial_start_loads_it_by_import_path_and_scores_the_oracle(
     with kwargs; the verifier's reward comes back from the node (the logs are copied, not
     mounted)."""
     from tests.containers.test_environment import reward, start_trial, trial_result
-    from tests.support.sample_tasks import make_task
-
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
     trial = start_trial(
         task,
