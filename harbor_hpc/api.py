@@ -23,7 +23,8 @@ CLI's) for what a user can cause.
   `open(task_dir)` gives a `Sandbox` (`exec`, `upload`, `download`, `verify()` -> a
   `SandboxResult`, `close`, `fork(n)`: n sandboxes branched off it, each result's `Branch`
   saying where; `a...` coroutines of each), `SandboxEnded` for a call on one that is gone
-  (docs/python.md, "Sandboxes"). `Snapshot`: a live container's files, from
+  (docs/python.md, "Sandboxes"); `snapshot()` gives a `SandboxSnapshot` to `restore(n)` from
+  (`fork` is both). `Snapshot`: a live container's files, from
   `SingularityEnvironment.snapshot()`, restored by its `restore` (`fork` is both).
 - The exceptions a trial or a call can end with: `HarborHpcError`, `InputError` (bad input;
   `TaskChangedError`, its kind for a run folder whose tasks changed since it ran them) and
@@ -72,6 +73,7 @@ from harbor_hpc.sandbox.pool import (
     SandboxOptions,
     SandboxPool,
     SandboxResult,
+    SandboxSnapshot,
 )
 from harbor_hpc.slurm.cluster import SlurmPlacement
 from harbor_hpc.steps import convert as _convert
@@ -137,6 +139,7 @@ __all__ = [
     "SandboxOptions",
     "SandboxPool",
     "SandboxResult",
+    "SandboxSnapshot",
     "SetupScriptFailed",
     "SingularityEnvironment",
     "SlurmPlacement",

@@ -48,6 +48,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkMode, NetworkPol
 from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.containers import gpus
+from harbor_hpc.containers.branch import write_branch
 from harbor_hpc.containers.channel import CommandOutput
 from harbor_hpc.containers.container import (
     ENV_FILES,
@@ -103,7 +104,6 @@ from harbor_hpc.containers.snapshot import (
     copy_upper,
     live_snapshot,
     stopped,
-    write_branch,
 )
 from harbor_hpc.containers.watchdog import (
     DiskKill,

@@ -20,7 +20,6 @@ are not part of it: a child starts its own processes.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -33,13 +32,10 @@ import psutil
 
 from harbor_hpc.containers.errors import SnapshotRefused
 from harbor_hpc.containers.watchdog import process_tree
-from harbor_hpc.core.files import atomic_write_text
 from harbor_hpc.core.proc import run
 from harbor_hpc.core.scratch import PrivateDir
 
 PREFIX = "harbor-hpc-snapshot-"
-# In the trial folder of a container restored from a snapshot: where it branched.
-BRANCH = "branch.json"
 # A copy of gigabytes takes its time; the container stays stopped meanwhile.
 COPY_TIMEOUT_S = 1800.0
 
@@ -68,7 +64,7 @@ class Snapshot:
     ) -> None:
         self._folder = PrivateDir(PREFIX, scratch)
         # The trial folder of the container it was taken from, and the step of its episode
-        # (the caller's count), which a restored container's trial records (`BRANCH`).
+        # (the caller's count), which a restored container's trial records (branch.py).
         self.source = source
         self.step = step
         self.upper = self._folder.path / "upper"
@@ -120,14 +116,8 @@ class Snapshot:
 
 def branch_record(snapshot: Snapshot) -> dict[str, Any]:
     """Where a container restored from `snapshot` branched: the trial it was taken in, and
-    the step of that episode (`BRANCH` in its trial folder)."""
+    the step of that episode (branch.py's record in its trial folder)."""
     return {"parent_trial": str(snapshot.source), "step": snapshot.step}
-
-
-def write_branch(trial_dir: Path, record: dict[str, Any]) -> None:
-    """Say in `trial_dir` (a restored container's trial) where it branched (`branch_record`),
-    so that a trainer can rebuild the tree."""
-    atomic_write_text(trial_dir / BRANCH, json.dumps(record) + "\n")
 
 
 def live_snapshot(path: Path) -> Snapshot:

@@ -39,6 +39,7 @@ from harbor.models.task.config import EnvironmentConfig, NetworkPolicy
 from harbor.models.trial.paths import TrialPaths
 from pydantic import Field
 
+from harbor_hpc.containers.branch import write_branch
 from harbor_hpc.containers.environment import (
     BASE_KWARGS,
     SingularityEnvironment,
@@ -47,7 +48,7 @@ from harbor_hpc.containers.environment import (
 from harbor_hpc.containers.environment_kwargs import accepted_environment_kwargs
 from harbor_hpc.containers.errors import ContainerStartFailed, EnvironmentHostUnavailable
 from harbor_hpc.containers.options import SingularityOptions
-from harbor_hpc.containers.snapshot import Restorable, write_branch
+from harbor_hpc.containers.snapshot import Restorable
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
 from harbor_hpc.ray.connect import cluster_problem, connect
 from harbor_hpc.ray.host import (

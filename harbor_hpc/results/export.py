@@ -1,6 +1,6 @@
 """A run's rollouts as JSON lines, in our full schema or in the shape a trainer reads.
 
-`full` (schema `harbor-hpc/rollout/v4`, built in `results/rollout.py`): one line per trial that
+`full` (schema `harbor-hpc/rollout/v5`, built in `results/rollout.py`): one line per trial that
 ended, reruns included, plus one per attempt that failed without a result (an image missing, a
 job that died); `counts` marks the one line per attempt that `status` reports (a rerun after a
 cancelled job or `resubmit --failed` supersedes the trials before it).
@@ -256,6 +256,7 @@ def _trainer_lines(r: Rollout, fmt: ExportFormat) -> list[dict[str, Any]]:
             "sequences": len(found),
             "partial": line["partial"],
             "environment_limits": line["environment_limits"],
+            "branch": line["branch"],
         }
         if fmt is ExportFormat.HARBOR_RL:
             lines.append(

@@ -1,4 +1,4 @@
-"""One trial as a rollout record (schema `harbor-hpc/rollout/v4`, `schemas/rollout.schema.json`).
+"""One trial as a rollout record (schema `harbor-hpc/rollout/v5`, `schemas/rollout.schema.json`).
 
 Harbor keeps the tokens of an agent's conversation in `agent_result.rollout_details`
 (`harbor.models.agent.rollout_detail.RolloutDetail`): per model call (a turn) the whole prompt's
@@ -37,12 +37,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+from harbor_hpc.containers.branch import read_branch
 from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.core.files import read_json
 from harbor_hpc.results.classify import Outcome, outcome_of_result, outcome_of_trial
 from harbor_hpc.results.record import RunRecord
 
-SCHEMA = "harbor-hpc/rollout/v4"
+SCHEMA = "harbor-hpc/rollout/v5"
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.schema.json"
 # Where Harbor's agents write an ATIF trajectory, relative to the trial (or step) folder.
 TRAJECTORY = Path("agent") / "trajectory.json"
@@ -438,6 +439,7 @@ def rollout(
         "failure": outcome.failure,
         "message": outcome.message,
         "environment_limits": list(outcome.limits),
+        "branch": read_branch(trial_dir) if trial_dir is not None else None,
         "instruction": None if steps else _instruction(task_dir / "instruction.md"),
         "steps": [_step_record(task_dir, trial_dir, s, record.reward_key) for s in steps]
         if steps and trial_dir is not None

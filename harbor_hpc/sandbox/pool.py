@@ -371,24 +371,34 @@ class Sandbox:
         await run_async(self._call(get))
 
     async def afork(self, count: int, *, step: int | None = None) -> list[Sandbox]:
-        """`count` new sandboxes of the task whose files are this one's now (its processes
-        stopped while they are copied, then going on): each its own container, written apart
-        from this one and from each other, its episode started anew (no process is carried:
-        a harness re-opens its shell). Each one's result says its `branch`: this sandbox and
+        """`count` new sandboxes of the task whose files are this one's now: `snapshot`, then
+        its `restore(count)`, then its release. Each its own container, written apart from
+        this one and from each other, its episode started anew (no process is carried: a
+        harness re-opens its shell); each one's result says its `branch`: this sandbox and
         `step` (default: the commands it ran). Returns once they started (or failed: their
-        results say how). Local and on Ray (the children on the parent's node), where the
-        containers have a root of our own (`harbor-hpc doctor`'s `container root`); else
-        refused in one line."""
+        results say how)."""
         if count < 1:
             raise InputError(f"fork({count}): at least 1 sandbox")
-        return await run_async(self._fork(count, self.steps if step is None else step))
+        taken = await self.asnapshot(step=step)
+        try:
+            return await taken.arestore(count)
+        finally:
+            await taken.arelease()
 
-    async def _fork(self, count: int, step: int) -> list[Sandbox]:
+    async def asnapshot(self, *, step: int | None = None) -> SandboxSnapshot:
+        """This sandbox's files now, for `restore` (as often as asked) until `release`: its
+        processes stopped while they are copied, then going on. Local and on Ray (restored on
+        the node that holds it), where the containers have a root of our own (`harbor-hpc
+        doctor`'s `container root`); else refused in one line."""
+        at = self.steps if step is None else step
+        return await run_async(self._snapshot(at))
+
+    async def _snapshot(self, step: int) -> SandboxSnapshot:
         async def take(environment: BaseEnvironment) -> Restorable:
             if not isinstance(environment, (SingularityEnvironment, RaySingularityEnvironment)):
                 raise InputError(
                     f"the sandbox of {self.task} runs on {type(environment).__name__}, which "
-                    "has no snapshots to fork"
+                    "has no snapshots"
                 )
             try:
                 return await environment.restorable(step)
@@ -396,20 +406,9 @@ class Sandbox:
                 raise InputError(str(exc)) from None
 
         taken = await self._call(take)
-        try:
-            task = self._pool._task(self.task)
-            branch = Branch(parent=self.id, step=step)
-            children = [
-                self._pool._new(task, claimed=True, branch=branch, restore=taken.kwargs)
-                for _ in range(count)
-            ]
-            # Started (each holding the copy), or failed, before the fork lets go of it.
-            await asyncio.gather(
-                *(child._environment() for child in children), return_exceptions=True
-            )
-            return children
-        finally:
-            await taken.release()
+        snapshot = SandboxSnapshot(self._pool, self._pool._task(self.task), taken, self.id, step)
+        self._pool._snapshots.add(snapshot)
+        return snapshot
 
     async def averify(self) -> SandboxResult:
         """End the episode: the task's verifier runs as Harbor's trial runs it, the sandbox
@@ -475,6 +474,9 @@ class Sandbox:
     def fork(self, count: int, *, step: int | None = None) -> list[Sandbox]:
         return run_sync(self.afork(count, step=step))
 
+    def snapshot(self, *, step: int | None = None) -> SandboxSnapshot:
+        return run_sync(self.asnapshot(step=step))
+
     def verify(self) -> SandboxResult:
         return run_sync(self.averify())
 
@@ -482,6 +484,57 @@ class Sandbox:
         if self._result is not None:  # verified, or closed with its pool
             return self._result
         return run_sync(self.aclose())
+
+
+class SandboxSnapshot:
+    """A sandbox's files at one step (`Sandbox.snapshot`): `restore(n)` opens n sandboxes of
+    its task from them, as often as asked, each result's `branch` naming the sandbox it was
+    taken of and the step; held on its node until `release()` or its pool's close."""
+
+    def __init__(
+        self, pool: SandboxPool, task: Task, taken: Restorable, sandbox: str, step: int
+    ) -> None:
+        self.task = task.path
+        self.branch = Branch(parent=sandbox, step=step)
+        self._pool = pool
+        self._of = task
+        self._taken: Restorable | None = taken
+
+    async def arestore(self, count: int = 1) -> list[Sandbox]:
+        """`count` sandboxes started from it, once they started (or failed: their results
+        say how)."""
+        if count < 1:
+            raise InputError(f"restore({count}): at least 1 sandbox")
+        return await run_async(self._restore(count))
+
+    async def _restore(self, count: int) -> list[Sandbox]:
+        if self._taken is None:
+            raise InputError(f"this snapshot of {self.task} was released: take another")
+        if self._pool._closed:
+            raise InputError("this SandboxPool is closed: open sandboxes from a new one")
+        children = [
+            self._pool._new(self._of, claimed=True, branch=self.branch, restore=self._taken.kwargs)
+            for _ in range(count)
+        ]
+        # Started (each holding the copy itself), or failed, before the caller may let go.
+        await asyncio.gather(*(child._environment() for child in children), return_exceptions=True)
+        return children
+
+    async def arelease(self) -> None:
+        """Let go of it: its copy goes once no sandbox restored from it runs either."""
+        await run_async(self._release())
+
+    async def _release(self) -> None:
+        taken, self._taken = self._taken, None
+        self._pool._snapshots.discard(self)
+        if taken is not None:
+            await taken.release()
+
+    def restore(self, count: int = 1) -> list[Sandbox]:
+        return run_sync(self.arestore(count))
+
+    def release(self) -> None:
+        run_sync(self.arelease())
 
 
 # Every pool not closed yet, closed when the process exits.
@@ -533,6 +586,7 @@ class SandboxPool:
         self._tasks_lock = threading.Lock()
         self._spares: dict[Path, list[Sandbox]] = {}
         self._open: set[Sandbox] = set()
+        self._snapshots: set[SandboxSnapshot] = set()
         self._closed = False
         run_sync(self._begin())
         _open_pools.add(self)
@@ -656,6 +710,7 @@ class SandboxPool:
         self._reaper.cancel()
         self._spares.clear()
         await asyncio.gather(
+            *(snapshot._release() for snapshot in list(self._snapshots)),
             *(sandbox._close("its pool was closed") for sandbox in list(self._open)),
             return_exceptions=True,
         )

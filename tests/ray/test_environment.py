@@ -341,6 +341,7 @@ def test_harbor_trial_start_loads_it_by_import_path_and_scores_the_oracle(
     with kwargs; the verifier's reward comes back from the node (the logs are copied, not
     mounted)."""
     from tests.containers.test_environment import reward, start_trial, trial_result
+
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
     trial = start_trial(
         task,

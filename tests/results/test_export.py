@@ -180,7 +180,7 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
     run = Run(tmp_path, ["a"])
     run.trial("t1", "a", solved(tmp_path, EXTENDING), EXTENDING)
     (line,) = run.export()
-    assert line["schema"] == "harbor-hpc/rollout/v4"
+    assert line["schema"] == "harbor-hpc/rollout/v5"
     assert (line["task"], line["attempt"], line["trial"], line["counts"]) == ("a", 0, "t1", True)
     assert line["trial_dir"] == str((RunPaths(run.dir).trial("t1")).resolve())
     assert (line["trainable"], line["partial"], line["reward"]) == (True, False, 1.0)
@@ -210,11 +210,11 @@ def test_turns_are_flattened_once_with_the_policys_tokens_masked_in(tmp_path: Pa
     (rl,) = run.export(ExportFormat.HARBOR_RL)
     assert list(rl) == [
         *("task", "attempt", "trial", "group", "group_size", "group_trainable", "sequence"),
-        *("sequences", "partial", "environment_limits", "reward", "token_ids", "mask_ids"),
-        "logprobs",
+        *("sequences", "partial", "environment_limits", "branch", "reward", "token_ids"),
+        *("mask_ids", "logprobs"),
     ]
     assert (rl["group"], rl["group_size"], rl["group_trainable"]) == ("a", 1, True)
-    assert rl["environment_limits"] == []
+    assert rl["environment_limits"] == [] and rl["branch"] is None
     skyrl = skyrl_generator_output([rl])
     assert skyrl["prompt_token_ids"] == [P0]
     assert skyrl["response_ids"] == [line["token_ids"][3:]]

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.containers.snapshot import BRANCH, PREFIX
+from harbor_hpc.containers.branch import BRANCH
+from harbor_hpc.containers.snapshot import PREFIX
 from harbor_hpc.core.errors import InputError
+from harbor_hpc.results.rollout import trial_rollout
 from harbor_hpc.sandbox.pool import Branch, SandboxOptions, SandboxPool
 from tests.support.sample_tasks import make_task
 
@@ -65,4 +67,40 @@ def test_a_branching_rollout_gives_each_branch_its_own_reward_and_says_the_tree(
     assert deeper.trial_dir is not None and results[1].trial_dir is not None
     said = json.loads((deeper.trial_dir / BRANCH).read_text())
     assert said == {"parent_trial": str(results[1].trial_dir), "step": 7}
+    # The rollout line of the trial carries it too (and so its harbor-rl and nemo-gym lines).
+    assert trial_rollout(deeper.trial_dir, task)["branch"] == said
     assert list(scratch.glob(f"{PREFIX}*")) == []  # the copies went with their sandboxes
+
+
+def test_a_snapshot_is_restored_as_often_as_asked_until_released(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
+    scratch = tmp_path / "scratch"
+    kwargs = {"snapshot_storage_mb": 4}
+    options = SandboxOptions(scratch_dir=scratch, environment_kwargs=kwargs)
+    with SandboxPool(options) as pool:
+        root = pool.open(task)
+        root.exec("echo 42 > /tmp/saved")
+        saved = root.snapshot(step=5)
+        root.exec("head -c 6000000 /dev/zero > /tmp/big")
+        with pytest.raises(InputError, match="snapshot_storage_mb=4: remove snapshots"):
+            root.snapshot()
+        root.close()  # the snapshot outlives the sandbox it was taken of
+        first = saved.restore()
+        again = saved.restore(2)
+        said = [
+            box.exec("cat /tmp/saved; ls /tmp/big 2>&1 | wc -l").stdout for box in first + again
+        ]
+        for box in first + again:
+            box.exec("cp /tmp/saved /tmp/answer")
+        rewards = [box.verify() for box in first + again]
+        saved.release()
+        with pytest.raises(InputError, match="was released: take another"):
+            saved.restore()
+        left = list(scratch.glob(f"{PREFIX}*"))
+    assert said == ["42\n1\n"] * 3  # `ls` of the missing file says so on one line
+    assert {(r.reward, r.trainable, r.branch) for r in rewards} == {
+        (1.0, True, Branch(parent=root.id, step=5))
+    }
+    assert left == []
