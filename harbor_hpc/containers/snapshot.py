@@ -208,3 +208,57 @@ def copy_upper(enter: list[str], upper: Path, snapshot: Snapshot, limit_bytes: i
         raise SnapshotRefused(f"copying {upper} failed: {done.why()}")
     snapshot.bytes = size
     _count(size)
+
+
+# tar keeping what the overlay's upper holds: owners by number, modes, the overlay's xattrs
+# (user.overlay.*: opaque folders), whiteouts (character devices 0/0).
+_TAR = ("tar", "--numeric-owner", "--xattrs", "--xattrs-include=*")
+
+
+def _as_owner(subids: bool) -> list[str]:
+    """A user namespace mapping the ids a container's files have (holder.py's)."""
+    return ["unshare", "--map-root-user", *(("--map-auto",) if subids else ())]
+
+
+def pack_layers(snapshot: Snapshot, archives: list[Path], subids: bool) -> None:
+    """Each of `snapshot`'s layers (topmost first) as a tar at each of `archives`, to copy it
+    to another node (`unpack_layers` there)."""
+    for layer, archive in zip(snapshot.layers, archives, strict=True):
+        done = run(
+            [*_as_owner(subids), *_TAR, "-C", str(layer), "-cf", str(archive), "."],
+            timeout=COPY_TIMEOUT_S,
+        )
+        if not done.ok:
+            raise SnapshotRefused(f"packing {layer} failed: {done.why()}")
+
+
+def unpack_layers(
+    archives: list[Path],
+    scratch: Path,
+    *,
+    source: Path,
+    step: int | None,
+    env: dict[str, str],
+    subids: bool,
+) -> Snapshot:
+    """The snapshot whose layers `pack_layers` made (topmost first), made anew in `scratch`."""
+    below: Snapshot | None = None
+    try:
+        for archive in reversed(archives):  # the image's nearest first
+            layer = Snapshot(scratch, below, source, step)
+            if below is not None:
+                below.release()  # `layer` holds it
+            below = layer
+            done = run(
+                [*_as_owner(subids), *_TAR, "-xpf", str(archive), "-C", str(layer.upper)],
+                timeout=COPY_TIMEOUT_S,
+            )
+            if not done.ok:
+                raise SnapshotRefused(f"unpacking a copied snapshot failed: {done.why()}")
+    except BaseException:
+        if below is not None:
+            below.release()
+        raise
+    assert below is not None
+    below.env = env
+    return below

@@ -19,6 +19,7 @@ again with its id, which the host runs once (host.py): never a reason to end the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import socket
@@ -46,7 +47,11 @@ from harbor_hpc.containers.environment import (
     environment_capabilities,
 )
 from harbor_hpc.containers.environment_kwargs import accepted_environment_kwargs
-from harbor_hpc.containers.errors import ContainerStartFailed, EnvironmentHostUnavailable
+from harbor_hpc.containers.errors import (
+    ContainerDied,
+    ContainerStartFailed,
+    EnvironmentHostUnavailable,
+)
 from harbor_hpc.containers.options import SingularityOptions
 from harbor_hpc.containers.snapshot import Restorable
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
@@ -78,13 +83,20 @@ CALL_GRACE_SEC = 30.0
 UNAVAILABLE_WAIT_SEC = 120.0
 GCS_CONNECT_SEC = 3.0
 STOP_TIMEOUT_SEC = 60.0
+# How long after its host said a container died the host is asked whether it lives itself.
+DIED_SETTLE_SEC = 1.0
 # Harbor's own kwargs the container's host has no use for: the trial's log folders are not
 # mounted from the driver's filesystem (they are copied, `mounted=False`).
 _DRIVER_ONLY = frozenset({"mounts", "stream"})
 # The label every Ray node has: its id (`ray.util.placement_group.NODE_ID_LABEL_KEY`).
 NODE_ID_LABEL = "ray.io/node-id"
+# The copies of this driver's snapshots on other nodes than their own: by the snapshot's path,
+# each node's id and its copy's path there (`_fetch`), released with the snapshot.
+_fetched: dict[str, dict[str, asyncio.Future[str]]] = {}
 # Host actors of this process, by node id: one per node, made on first use.
 _hosts: dict[str, tuple[Any, str]] = {}
+# How many hosts of this process each node lost (the next host's name says it).
+_lost_hosts: dict[str, int] = {}
 _hosts_lock = threading.Lock()
 
 
@@ -123,7 +135,9 @@ def _host_on(node_id: str) -> tuple[Any, str]:
             actor = (
                 host(EnvironmentHost)
                 .options(
-                    name=f"harbor-hpc-host-{node_id}",
+                    # A name of its own after a host was lost: Ray may still hand out the
+                    # dead one by the old name for a while (its death not yet processed).
+                    name=f"harbor-hpc-host-{node_id}-{_lost_hosts.get(node_id, 0)}",
                     get_if_exists=True,
                     num_cpus=0,
                     max_concurrency=10_000,
@@ -157,7 +171,8 @@ def _cluster_unreachable() -> str | None:
 
 def _forget_host(node_id: str) -> None:
     with _hosts_lock:
-        _hosts.pop(node_id, None)
+        if _hosts.pop(node_id, None) is not None:
+            _lost_hosts[node_id] = _lost_hosts.get(node_id, 0) + 1
 
 
 class RayOptions(SingularityOptions):
@@ -185,6 +200,12 @@ class RayOptions(SingularityOptions):
     )
     ray_placement_timeout_sec: float = Field(
         600.0, gt=0, description="How long to wait for a node with room."
+    )
+    ray_restore_node: str | None = Field(
+        None,
+        description="The Ray node id holding `restore_from`'s snapshot (what `fork` and "
+        "`restorable` set): the container goes there where it has room at once, else to any "
+        "node with room, the snapshot copied there once.",
     )
 
     @classmethod
@@ -221,7 +242,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             "environment_name": environment_name,
             "task_env_config": task_env_config,
             "logger": logger,
-            **{k: v for k, v in kwargs.items() if k not in {"restore_from", "ray_labels"}},
+            **{k: v for k, v in kwargs.items() if k not in {"restore_from", "ray_restore_node"}},
         }
         harbors = {k: v for k, v in kwargs.items() if k in BASE_KWARGS - RAY_OPTIONS}
         try:
@@ -239,6 +260,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
         self._ray_cpus = options.ray_cpus
         self._ray_labels = _labels(options.ray_labels)
         self._placement_timeout = options.ray_placement_timeout_sec
+        self._restore_node = options.ray_restore_node
         kwargs = {k: v for k, v in kwargs.items() if k not in RayOptions.ray_fields()}
         # The host's environment takes the user's kwargs and Harbor's; this one only Harbor's
         # (the setup script's exports live with the container, so the persistent env does).
@@ -365,6 +387,15 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                 return self._result(answer)
             except ActorUnavailableError as exc:
                 await self._wait_until_available(_first_sentence(exc))
+            except ContainerDied as died:
+                if isinstance(died, EnvironmentHostUnavailable):
+                    raise
+                # A node that crashes kills its processes one after another: a host may see
+                # its container die, and answer so, just before it dies too. The node's loss
+                # is what ended the container then.
+                await asyncio.sleep(DIED_SETTLE_SEC)
+                await self._probe()
+                raise
 
     def _result(self, answer: asyncio.Future[Any]) -> Any:
         from ray.exceptions import ActorUnavailableError, RayError, RayTaskError
@@ -443,12 +474,54 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             bundle["memory"] = float(self._effective_memory_mb * 1024 * 1024)
         return bundle
 
+    async def _place_on_restore_node(self) -> bool:
+        """A placement group on `ray_restore_node` (where the snapshot is), if that node has
+        room within PLACED_SOON_SEC; else nothing held, and False."""
+        from ray.exceptions import RayError
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        assert self._restore_node is not None
+        labels = {**self._ray_labels, NODE_ID_LABEL: self._restore_node}
+        try:
+            group = await asyncio.to_thread(
+                functools.partial(
+                    placement_group,
+                    [self._bundle()],
+                    strategy="STRICT_PACK",
+                    bundle_label_selector=[labels],
+                )
+            )
+            try:
+                await asyncio.wait_for(group.ready(), PLACED_SOON_SEC)
+            except TimeoutError:
+                await asyncio.to_thread(remove_placement_group, group)
+                return False
+        except RayError:
+            return False  # the placement below says what is wrong
+        self._group = group
+        await self._placed()
+        return True
+
+    async def _placed(self) -> None:
+        """The node the placement group holds, and its host."""
+        from ray.util.placement_group import placement_group_table
+
+        table = await asyncio.to_thread(placement_group_table, self._group)
+        self._node_id = str(table["bundles_to_node_id"][0])
+        self._host, self._node = await asyncio.to_thread(_host_on, self._node_id)
+        self.logger.info(
+            "task %s: its container runs on Ray node %s", self.environment_name, self._node
+        )
+
     async def _place(self) -> None:
         """A placement group holding the task's resources on a node with the labels asked
-        for, and that node's host."""
+        for (the node of the snapshot it restores, where that has room), and that node's
+        host."""
         from ray.exceptions import RayError
-        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.placement_group import placement_group
 
+        if self._restore_node is not None and await self._place_on_restore_node():
+            return
         bundle = self._bundle()
         labels = f" with labels {self._ray_labels}" if self._ray_labels else ""
         biggest = await asyncio.to_thread(_biggest_node, self._ray_labels)
@@ -480,12 +553,7 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                 )
             finally:
                 say_waiting(trial_dir, None)
-            table = await asyncio.to_thread(placement_group_table, self._group)
-            self._node_id = str(table["bundles_to_node_id"][0])
-            self._host, self._node = await asyncio.to_thread(_host_on, self._node_id)
-            self.logger.info(
-                "task %s: its container runs on Ray node %s", self.environment_name, self._node
-            )
+            await self._placed()
         except RayError as exc:  # before TimeoutError: Ray's own timeouts are both
             raise EnvironmentHostUnavailable(
                 f"task {self.environment_name}: the Ray cluster did not place it: "
@@ -498,18 +566,46 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                 "shows what is free (ray_cpus reserves less per environment)"
             ) from None
 
+    async def _fetch(self, path: str) -> str:
+        """The copy on this environment's node of the snapshot `path` on `ray_restore_node`
+        (fetched by this node's host from that node's, once for every restore here)."""
+        assert self._restore_node is not None and self._node_id is not None
+        copies = _fetched.setdefault(path, {})
+        if self._node_id not in copies:
+            source, address = await asyncio.to_thread(_host_on, self._restore_node)
+            self.logger.info(
+                "task %s: its snapshot is on %s, which had no room: copied to %s",
+                self.environment_name,
+                address,
+                self._node,
+            )
+            scratch = self._forwarded.get("scratch_dir")
+            copies[self._node_id] = asyncio.ensure_future(
+                self._call("fetch_snapshot", source, path, Path(scratch) if scratch else None)
+            )
+        try:
+            copy: str = await asyncio.shield(copies[self._node_id])
+        except Exception:
+            copies.pop(self._node_id, None)  # the next restore here tries again
+            raise
+        return copy
+
     @override
     async def start(self, force_build: bool) -> None:
         await asyncio.to_thread(connect, self._ray_address, self._cluster_dir)
-        spec = EnvironmentSpec(
-            environment_dir=self.environment_dir,
-            environment_name=self.environment_name,
-            session_id=self.session_id,
-            task_env_config=self.task_env_config,
-            kwargs=self._forwarded,
-        )
         try:
             await self._place()
+            kwargs = self._forwarded
+            restore = kwargs.get("restore_from")
+            if restore is not None and self._restore_node not in (None, self._node_id):
+                kwargs = {**kwargs, "restore_from": await self._fetch(str(restore))}
+            spec = EnvironmentSpec(
+                environment_dir=self.environment_dir,
+                environment_name=self.environment_name,
+                session_id=self.session_id,
+                task_env_config=self.task_env_config,
+                kwargs=kwargs,
+            )
             branch = await self._call("start", self._id, spec, force_build)
             if branch is not None:
                 write_branch(self.trial_paths.trial_dir, branch)
@@ -523,29 +619,32 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
     async def restorable(self, step: int | None = None) -> Restorable:
         """A snapshot of the container, taken on its node (`SingularityEnvironment.snapshot`)
         and held there, as the kwargs that start an environment from it: `restore_from`, and
-        the node's id among `ray_labels` (a snapshot is restored on the node that holds it)."""
+        `ray_restore_node`, that node (a restore goes there, or copies it where it goes)."""
         if self._host is None or self._node_id is None:
             raise RuntimeError(f"task {self.environment_name}: the environment is not started")
         path = await self._call("snapshot", self._id, step, self.trial_paths.trial_dir)
-        labels = {**self._ray_labels, NODE_ID_LABEL: self._node_id}
-        host = self._host
+        host, node = self._host, self._node_id
 
         async def release() -> None:
+            # The copies fetched to other nodes (`_fetch`), then the snapshot on its own.
+            for other, fetching in _fetched.pop(path, {}).items():
+                with contextlib.suppress(Exception):
+                    copy = await fetching
+                    other_host, _ = await asyncio.to_thread(_host_on, other)
+                    other_host.call.remote(uuid.uuid4().hex, "release_snapshot", copy)
             if self._host is host:
                 await self._call("release_snapshot", path)
             else:  # the parent stopped meanwhile: its host is asked, unanswered
                 host.call.remote(uuid.uuid4().hex, "release_snapshot", path)
 
-        kwargs = {
-            "restore_from": path,
-            "ray_labels": ",".join(f"{key}={value}" for key, value in labels.items()),
-        }
+        kwargs = {"restore_from": path, "ray_restore_node": node}
         return Restorable(kwargs, release)
 
     async def fork(self, count: int, step: int | None = None) -> list[RaySingularityEnvironment]:
-        """`count` started copies of this environment as it is now, on its node (each its own
-        placement group there, waiting for room as any start): the parent goes on unchanged,
-        and no child sees another's writes. As `SingularityEnvironment.fork`."""
+        """`count` started copies of this environment as it is now, on its node where it has
+        room (each its own placement group), else on another, the copy sent there: the parent
+        goes on unchanged, and no child sees another's writes. As
+        `SingularityEnvironment.fork`."""
         if count < 1:
             raise ValueError(f"count={count}: at least 1")
         taken = await self.restorable(step)

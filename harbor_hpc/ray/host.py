@@ -20,11 +20,13 @@ twice and no command runs twice. Reads (`take`) and the probe (`where`) are safe
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import socket
 import tarfile
 import tempfile
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,8 @@ from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.containers.environment import SingularityEnvironment
 from harbor_hpc.containers.errors import ContainerStartFailed
-from harbor_hpc.containers.snapshot import Snapshot
+from harbor_hpc.containers.probes import missing_subid_ranges
+from harbor_hpc.containers.snapshot import Snapshot, live_snapshot, pack_layers, unpack_layers
 
 # One Ray call's worth of a transfer: big enough that a folder of gigabytes is a few hundred
 # calls, small enough that neither side notices holding it.
@@ -46,7 +49,7 @@ CHUNK_BYTES = 8 << 20
 ONCE = frozenset(
     {
         *("start", "exec", "set_network_policy", "stop_service", "put", "upload", "download"),
-        *("snapshot", "release_snapshot", "stop"),
+        *("snapshot", "pack_snapshot", "fetch_snapshot", "release_snapshot", "stop"),
     }
 )
 KEEP_OUTCOMES = 256
@@ -174,6 +177,62 @@ class EnvironmentHost:
         environments started here with `restore_from` start from (`source`: the trial on the
         driver, which they name as their parent)."""
         taken = await self._environment(env_id).snapshot(step, source)
+        self._snapshots[str(taken.path)] = taken
+        return str(taken.path)
+
+    async def pack_snapshot(self, path: str) -> dict[str, Any]:
+        """The snapshot at `path` as one tar per layer, for another node's host to `take`
+        (`fetch_snapshot`), and what it records."""
+        taken = live_snapshot(Path(path))
+        transfers = [f"snapshot-{uuid.uuid4().hex}" for _ in taken.layers]
+        archives = [self._transfer(transfer) for transfer in transfers]
+        try:
+            await asyncio.to_thread(pack_layers, taken, archives, not missing_subid_ranges())
+        except BaseException:
+            for archive in archives:
+                archive.unlink(missing_ok=True)
+            raise
+        finally:
+            taken.release()
+        return {
+            "layers": transfers,
+            "source": str(taken.source),
+            "step": taken.step,
+            "env": taken.env,
+        }
+
+    async def fetch_snapshot(self, source: Any, path: str, scratch: Path | None) -> str:
+        """A copy here (in `scratch`) of the snapshot at `path` that the host `source` of
+        another node holds, held for the driver: its folder."""
+        packed = await source.call.remote(uuid.uuid4().hex, "pack_snapshot", path)
+        archives = []
+        try:
+            for transfer in packed["layers"]:
+                archive = self._transfer(transfer)
+                archives.append(archive)
+                with archive.open("wb") as into:
+                    offset = 0
+                    while True:
+                        chunk = await source.take.remote(transfer, offset)
+                        into.write(chunk)
+                        offset += len(chunk)
+                        if len(chunk) < CHUNK_BYTES:
+                            break
+                await source.forget.remote(transfer)
+            taken = await asyncio.to_thread(
+                functools.partial(
+                    unpack_layers,
+                    archives,
+                    scratch or Path(tempfile.gettempdir()),
+                    source=Path(packed["source"]),
+                    step=packed["step"],
+                    env=packed["env"],
+                    subids=not missing_subid_ranges(),
+                )
+            )
+        finally:
+            for archive in archives:
+                archive.unlink(missing_ok=True)
         self._snapshots[str(taken.path)] = taken
         return str(taken.path)
 

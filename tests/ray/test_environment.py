@@ -292,6 +292,14 @@ async def main():
     await asyncio.gather(*(e.stop(True) for e in [parent, *children]))
     show(seen=seen, after=after, nodes=nodes, branch=branch,
          parent=str(parent.trial_paths.trial_dir))
+    # A parent holding its node's whole CPU: its child goes to the other node, the copy with it.
+    whole = make("whole", ray_cpus=1)
+    await whole.start(False)
+    await whole.exec("echo far > /root/far && chown 65534 /root/far && rm /etc/issue")
+    (far,) = await whole.fork(1)
+    probe = "cat /root/far; stat -c %u /root/far; test -e /etc/issue || echo gone"
+    show(far=(await far.exec(probe)).stdout, nodes=[whole.node_id, far.node_id])
+    await asyncio.gather(whole.stop(True), far.stop(True))
     # The sandbox API's branching rollout on Ray: forked at a turn, each child its own reward.
     kwargs = {"ray_cluster_dir": CLUSTER_DIR, "ray_cpus": 0.1}
     with SandboxPool(SandboxOptions(executor="ray", environment_kwargs=kwargs)) as pool:
@@ -312,14 +320,16 @@ def test_forks_on_ray_land_on_the_parents_node_and_branch_apart(
     ray_cluster: RayCluster, debian_sif: Path, tmp_path: Path
 ) -> None:
     """`fork` of a Ray environment, and a branching rollout of the sandbox API on Ray: each
-    child on the node that holds the parent's copy, written apart, its reward its own."""
+    child on the node that holds the parent's copy, written apart, its reward its own; where
+    that node has no room, on another, the copy sent there (owners and whiteouts kept)."""
     task = make_task(tmp_path / "tasks", "answer", image=str(debian_sif))
     driver = drive(FORKS, debian_sif, tmp_path / "run", ray_cluster["cluster_dir"], str(task))
-    forks, branched = lines(driver, timeout=300)
+    forks, far, branched = lines(driver, timeout=300)
     assert forks["seen"] == ["parent\n65534\n"] * 2
     assert forks["after"] == ["parent\n", "0\n", "1\n"]
     assert len(set(forks["nodes"])) == 1
     assert forks["branch"] == {"parent_trial": forks["parent"], "step": 3}
+    assert far["far"] == "far\n65534\ngone\n" and len(set(far["nodes"])) == 2
     assert branched == {"rewards": [[1.0, True], [0.0, True]], "parents": [True, True]}
 
 
