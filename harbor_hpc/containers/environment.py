@@ -1002,7 +1002,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         if main.holder is None or main.merged is None or main.pid is None or server is None:
             raise SnapshotRefused(
                 f"{name}: a snapshot copies the container's own root (the kernel's overlay), and "
-                f"this container's is not one: {self._root_fallback} (`harbor-hpc doctor`)"
+                f"this container's is not one: {self._root_fallback or 'it is not running'} "
+                "(`harbor-hpc doctor`)"
             )
         source = source or self.trial_paths.trial_dir
         taken = Snapshot(self._scratch_parent, self._restored, source, step)
@@ -1057,6 +1058,8 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
     async def fork(self, count: int, step: int | None = None) -> list[SingularityEnvironment]:
         """`count` started copies of this environment as it is now (`snapshot`, `restore`):
         the parent goes on unchanged, and no child sees another's writes."""
+        if count < 1:
+            raise ValueError(f"count={count}: at least 1")
         taken = await self.snapshot(step)
         try:
             return await self.restore(taken, count)

@@ -109,10 +109,6 @@ class Snapshot:
             if self.below is not None:
                 self.below.release()
 
-    @property
-    def removed(self) -> bool:
-        return self._holders == 0
-
 
 def branch_record(snapshot: Snapshot) -> dict[str, Any]:
     """Where a container restored from `snapshot` branched: the trial it was taken in, and
