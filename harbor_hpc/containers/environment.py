@@ -102,7 +102,9 @@ from harbor_hpc.containers.snapshot import (
     Snapshot,
     branch_record,
     copy_upper,
+    fork_trial,
     live_snapshot,
+    started_all,
     stopped,
 )
 from harbor_hpc.containers.watchdog import (
@@ -1043,17 +1045,7 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
         alone. Where one fails to start, the others are stopped and its error raised."""
         if count < 1:
             raise ValueError(f"count={count}: at least 1")
-        children = [self._child(snapshot) for _ in range(count)]
-        started = await asyncio.gather(
-            *(child.start(force_build=False) for child in children), return_exceptions=True
-        )
-        failed = [result for result in started if isinstance(result, BaseException)]
-        if failed:
-            await asyncio.gather(
-                *(child.stop(delete=True) for child in children), return_exceptions=True
-            )
-            raise failed[0]
-        return children
+        return await started_all([self._child(snapshot) for _ in range(count)])
 
     async def fork(self, count: int, step: int | None = None) -> list[SingularityEnvironment]:
         """`count` started copies of this environment as it is now (`snapshot`, `restore`):
@@ -1067,11 +1059,9 @@ class SingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbor s
             taken.release()  # the children hold it now
 
     def _child(self, snapshot: Snapshot) -> SingularityEnvironment:
-        trial = self.trial_paths.trial_dir
-        paths = TrialPaths(trial.with_name(f"{trial.name}.fork-{uuid.uuid4().hex[:8]}"))
-        paths.mkdir()
+        paths, session_id = fork_trial(self.trial_paths, self.session_id)
         return type(self)(
-            session_id=f"{self.session_id}.fork-{paths.trial_dir.name.rsplit('-', 1)[1]}",
+            session_id=session_id,
             trial_paths=paths,
             restore_from=snapshot.path,
             **self._made_with,

@@ -19,16 +19,20 @@ are not part of it: a child starts its own processes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+from harbor.environments.base import BaseEnvironment
+from harbor.models.trial.paths import TrialPaths
 
 from harbor_hpc.containers.errors import SnapshotRefused
 from harbor_hpc.containers.watchdog import process_tree
@@ -114,6 +118,30 @@ def branch_record(snapshot: Snapshot) -> dict[str, Any]:
     """Where a container restored from `snapshot` branched: the trial it was taken in, and
     the step of that episode (branch.py's record in its trial folder)."""
     return {"parent_trial": str(snapshot.source), "step": snapshot.step}
+
+
+def fork_trial(trial_paths: TrialPaths, session_id: str) -> tuple[TrialPaths, str]:
+    """A fork's child's trial folder, made beside its parent's (`TRIAL.fork-ID`), and its
+    session id."""
+    fork = f"fork-{uuid.uuid4().hex[:8]}"
+    trial = trial_paths.trial_dir
+    paths = TrialPaths(trial.with_name(f"{trial.name}.{fork}"))
+    paths.mkdir()
+    return paths, f"{session_id}.{fork}"
+
+
+async def started_all[E: BaseEnvironment](children: list[E]) -> list[E]:
+    """`children` started side by side; where one fails, all stopped and its error raised."""
+    started = await asyncio.gather(
+        *(child.start(force_build=False) for child in children), return_exceptions=True
+    )
+    failed = [result for result in started if isinstance(result, BaseException)]
+    if failed:
+        await asyncio.gather(
+            *(child.stop(delete=True) for child in children), return_exceptions=True
+        )
+        raise failed[0]
+    return children
 
 
 def live_snapshot(path: Path) -> Snapshot:

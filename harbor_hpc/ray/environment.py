@@ -53,7 +53,7 @@ from harbor_hpc.containers.errors import (
     EnvironmentHostUnavailable,
 )
 from harbor_hpc.containers.options import SingularityOptions
-from harbor_hpc.containers.snapshot import Restorable
+from harbor_hpc.containers.snapshot import Restorable, fork_trial, started_all
 from harbor_hpc.ray.cluster import INSTALL_HINT, parse_labels, ray_missing
 from harbor_hpc.ray.connect import cluster_problem, connect
 from harbor_hpc.ray.host import (
@@ -649,29 +649,14 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
             raise ValueError(f"count={count}: at least 1")
         taken = await self.restorable(step)
         try:
-            children = [self._child(taken) for _ in range(count)]
-            started = await asyncio.gather(
-                *(child.start(force_build=False) for child in children), return_exceptions=True
-            )
+            return await started_all([self._child(taken) for _ in range(count)])
         finally:
             await taken.release()  # each child holds the copy now
-        failed = [result for result in started if isinstance(result, BaseException)]
-        if failed:
-            await asyncio.gather(
-                *(child.stop(delete=True) for child in children), return_exceptions=True
-            )
-            raise failed[0]
-        return children
 
     def _child(self, taken: Restorable) -> RaySingularityEnvironment:
-        trial = self.trial_paths.trial_dir
-        paths = TrialPaths(trial.with_name(f"{trial.name}.fork-{uuid.uuid4().hex[:8]}"))
-        paths.mkdir()
+        paths, session_id = fork_trial(self.trial_paths, self.session_id)
         return type(self)(
-            session_id=f"{self.session_id}.fork-{paths.trial_dir.name.rsplit('-', 1)[1]}",
-            trial_paths=paths,
-            **self._made_with,
-            **taken.kwargs,
+            session_id=session_id, trial_paths=paths, **self._made_with, **taken.kwargs
         )
 
     # -- exec -------------------------------------------------------------------------------
