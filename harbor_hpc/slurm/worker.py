@@ -13,8 +13,8 @@ queued in waves goes on with nobody looking at it; what fails there is logged, n
 element's.
 
 A run's submissions cancelled from Python (`cancel_submissions`: a trainer's batch deadline)
-are seen within CANCEL_POLL_S: the worker cancels its trials (Harbor stops each environment and
-records `CancelledError`) and starts no more.
+are seen within CANCEL_POLL_S: the worker marks its running trials cancelled, then cancels
+them (Harbor stops each environment and records `CancelledError`) and starts no more.
 
 litellm (terminus-2's model client) fetches its model cost map from the internet when it is
 first imported, unless LITELLM_LOCAL_MODEL_COST_MAP says to use the copy it ships: on a node
@@ -111,6 +111,8 @@ class ChunkWorker(submitit.helpers.Checkpointable):
         self.concurrency = concurrency
         self.then = then
         self.terminated_by: str | None = None
+        # The markers of the trials running now, by trial name (`_terminate` marks them).
+        self._running: dict[str, Marker] = {}
 
     def __call__(self, units: list[list[Any]]) -> dict[str, int]:
         use_local_cost_map()
@@ -136,11 +138,26 @@ class ChunkWorker(submitit.helpers.Checkpointable):
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_term(signum: int, frame: FrameType | None) -> None:
-            self.terminated_by = signal.Signals(signum).name
+            self._terminate(signal.Signals(signum).name)
             if callable(previous):
                 previous(signum, frame)
 
         signal.signal(signal.SIGTERM, on_term)
+
+    def _terminate(self, by: str) -> None:
+        """Note what ends the job's trials (a signal, CANCELLED) in the marker of each one
+        running that has not ended, before anything breaks it: Harbor writes a broken trial's
+        result.json before its error reaches us, and a reader in between (a trainer's stream)
+        must not take that result for the trial's own."""
+        self.terminated_by = by
+        run_dir = Path(self.run_dir)
+        for marker in list(self._running.values()):
+            if (
+                marker.terminated_by is None
+                and not (RunPaths(run_dir).trial(marker.trial) / "result.json").exists()
+            ):
+                marker.terminated_by = by
+                write_marker(run_dir, marker)
 
     def units_left(self, run_dir: Path, record: RunRecord, units: list[Unit]) -> list[Unit]:
         trials = RunTrials(run_dir, reward_key=record.reward_key)
@@ -179,7 +196,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
     async def _cancel_when_asked(self, run_dir: Path, trials: list[asyncio.Task[None]]) -> None:
         while cancelled_through(run_dir) < self.submission:
             await asyncio.sleep(CANCEL_POLL_S)
-        self.terminated_by = CANCELLED
+        self._terminate(CANCELLED)
         for trial in trials:
             trial.cancel()
 
@@ -204,6 +221,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             pid=os.getpid(),
             started_at=datetime.now(UTC).isoformat(),
         )
+        self._running[marker.trial] = marker
         write_marker(run_dir, marker)
         try:
             config = TrialConfig(
@@ -224,10 +242,11 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             # What the agent's model calls came to: the evidence of whose outcome it was.
             with recording_calls(paths.trial(marker.trial)):
                 await trial.run()
-            # A signal (scancel, shutdown) may have broken the trial's end whatever it recorded;
-            # a cancel of the run that let the trial end by itself broke nothing: it counts.
-            if self.terminated_by not in (None, CANCELLED):
-                marker.terminated_by = self.terminated_by
+            # A signal (scancel, shutdown) may have broken the trial's end whatever it recorded
+            # (its marker says so); a cancel of the run that let the trial end by itself broke
+            # nothing: it counts.
+            if marker.terminated_by == CANCELLED:
+                marker.terminated_by = None
                 write_marker(run_dir, marker)
         except asyncio.CancelledError:
             # The run was cancelled: Harbor has stopped the environment and written result.json.
@@ -241,6 +260,7 @@ class ChunkWorker(submitit.helpers.Checkpointable):
             marker.terminated_by = self.terminated_by  # maybe why it failed
             write_marker(run_dir, marker)
         finally:
+            self._running.pop(marker.trial, None)
             seal(paths.trial(marker.trial), record.group_readable)
             self._note(run_dir, record, marker)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 
 from harbor_hpc.api import Progress, RolloutRequest, resubmit_run, run_status, stream_rollouts
 from harbor_hpc.results.outcomes import RunTrials
+from harbor_hpc.results.record import CANCELLED, RunPaths, read_marker
 from tests.support.cli import cli_json
 from tests.support.processes import gone_within, left_naming
 from tests.support.sample_tasks import make_task
@@ -60,8 +62,28 @@ def test_a_batch_streams_as_it_ends_and_its_deadline_cancels_the_rest(
                 got.append((line, time.monotonic()))
         return got
 
+    # What the straggler's marker said the moment its result.json appeared: a reader then (the
+    # stream) must already see that the cancel broke it.
+    marked: list[str | None] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        paths = RunPaths(run_dir)
+        while not stop.is_set() and not marked:
+            for result in paths.trials.glob("straggler__*/result.json"):
+                marker = read_marker(paths.marker(result.parent.name))
+                marked.append(marker.terminated_by if marker else "no marker")
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     began = time.monotonic()
-    got = asyncio.run(collect())
+    try:
+        got = asyncio.run(collect())
+    finally:
+        stop.set()
+        watcher.join()
+    assert marked == [CANCELLED]
     lines = {line["task"]: line for line, _ in got}
     assert [(lines[t]["reward"], lines[t]["trainable"]) for t in ("one", "two")] == [
         (1.0, True),
