@@ -12,6 +12,7 @@
 #              and --sbatch-arg
 #   setup      the site's lines (harbor-hpc.toml's setup), as written
 #   image      a tiny zstd .sif in the store, shell-quoted
+#   offset     where in it its root file system begins (for a node without Apptainer)
 #   mark       the line printed once the image ran, shell-quoted
 #SBATCH --job-name=harbor-hpc-ask-node
 #SBATCH --nodelist=${node}
@@ -25,7 +26,18 @@
 ${sbatch}
 # The site's lines first, as they are written (a module function may trip set -u).
 ${setup}
-# The Apptainer our jobs would run there: HARBOR_HPC_APPTAINER, else the one on PATH.
+# The Apptainer our jobs would run there: HARBOR_HPC_APPTAINER, else the one on PATH. A node
+# without one (enroot's) answers by its unsquashfs, which unpacks our containers' roots there:
+# the image's root listed (its superblock names its compression).
 apptainer=$${HARBOR_HPC_APPTAINER:-apptainer}
-"$$apptainer" --version 2>&1
-"$$apptainer" exec ${image} /bin/sh -c true 2>&1 && echo ${mark}
+if found=$$(command -v "$$apptainer") && [ -f "$$found" ] && [ -x "$$found" ]; then
+  "$$apptainer" --version 2>&1
+  "$$apptainer" exec ${image} /bin/sh -c true 2>&1 && echo ${mark}
+else
+  echo "no Apptainer: $$(unsquashfs -version 2>&1 | head -n 1)"
+  if said=$$(unsquashfs -o ${offset} -l ${image} 2>&1 >/dev/null); then
+    echo ${mark}
+  else
+    printf '%s\n' "$${said:-unsquashfs failed}" | tail -n 1
+  fi
+fi

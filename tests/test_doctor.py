@@ -241,6 +241,7 @@ def dead_docker_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.apptainer
+@pytest.mark.apptainer_only
 def test_build_role_is_ready_without_docker_where_apptainer_builds_work(tmp_path: Path) -> None:
     done = run_cli("--role", "build", "--json", env=dead_docker_env(tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -258,6 +259,7 @@ NO_FAKEROOT = "FATAL:   could not use fakeroot: no mapping entry found in /etc/s
 
 
 @pytest.mark.apptainer
+@pytest.mark.apptainer_only
 def test_build_role_says_what_to_ask_the_admins_for_when_fakeroot_builds_fail(
     tmp_path: Path,
 ) -> None:

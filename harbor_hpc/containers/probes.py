@@ -37,6 +37,7 @@ from harbor_hpc.containers.network import (
     own_network_problem,
 )
 from harbor_hpc.containers.roots import UNPACK_AS_ROOT
+from harbor_hpc.containers.sif import node_architecture, write_sif
 from harbor_hpc.core.config import load_config
 from harbor_hpc.core.errors import HarborHpcError, InputError
 from harbor_hpc.core.files import file_lock, filesystem_type
@@ -51,6 +52,7 @@ from harbor_hpc.runtimes.apptainer import (
     OVERLAY_OFF,
     OVERLAY_OFF_FIX,
     PROBE_TIMEOUT_S,
+    SQUASHFS_ARGS,
     SQUASHFS_COMPRESSION,
     TESTED,
     ZSTD_MINIMUM,
@@ -678,10 +680,11 @@ def _try_task_container(image: Path) -> Ran:
 
 @contextmanager
 def probe_image(
-    binary: str, cache_dir: Path, compression: Compression | None = None
+    binary: str | None, cache_dir: Path, compression: Compression | None = None
 ) -> Iterator[Path]:
     """A tiny SIF (PROBE_PROGRAMS and their libraries), built once into the cache, else a temp
-    folder; compressed as the store's images are, so that the probes run what tasks will run.
+    folder, by Apptainer's `binary` (None: without Apptainer); compressed as the store's images
+    are, so that the probes run what tasks will run.
     Its name says what it holds: an image of an older harbor-hpc (a shell only) is not used."""
     compression = compression or sif_compression()
     squashed = f"-{SQUASHFS_COMPRESSION}" if compression.name == SQUASHFS_COMPRESSION else ""
@@ -704,17 +707,27 @@ def probe_image(
         yield image
 
 
-def _build_probe_image(binary: str, target: Path, compression: Compression) -> None:
+def _build_probe_image(binary: str | None, target: Path, compression: Compression) -> None:
+    """The probe image at `target`, built by Apptainer (`binary`), or where the node has none
+    (enroot's) squashed here and written as Apptainer writes a SIF."""
     with tempfile.TemporaryDirectory(prefix=".rootfs-", dir=target.parent) as scratch:
         rootfs = Path(scratch) / "rootfs"
         _make_rootfs(rootfs)
         partial = Path(scratch) / "probe.sif"
-        built = run(
-            build_command(
-                "--force", str(partial), str(rootfs), binary=binary, compression=compression
-            ),
-            timeout=BUILD_TIMEOUT_S,
-        )
+        if binary is None:
+            squashfs = Path(scratch) / "root.sqfs"
+            zstd = SQUASHFS_ARGS if compression.name == SQUASHFS_COMPRESSION else ()
+            command = ["mksquashfs", str(rootfs), str(squashfs), "-noappend", "-no-progress"]
+            built = run([*command, "-all-root", *zstd], timeout=BUILD_TIMEOUT_S)
+            if built.ok:
+                write_sif(squashfs, {}, node_architecture(), partial)
+        else:
+            built = run(
+                build_command(
+                    "--force", str(partial), str(rootfs), binary=binary, compression=compression
+                ),
+                timeout=BUILD_TIMEOUT_S,
+            )
         if not built.ok:
             raise HarborHpcError(
                 f"could not build a tiny test image: {built.why()}",

@@ -2,9 +2,10 @@
 
 One small job per node (slurm/ask_node.sh, held to its node by --nodelist) runs the node's
 Apptainer, as our jobs would find it after the site's setup lines, on a tiny zstd image in the
-store; what each printed is its answer (runtimes/apptainer_nodes.py), kept for the compression
-of every .sif made after. A node that is down, drained or still queued when the asking ends did not
-answer: while one has not, images stay gzip.
+store (a node without Apptainer, enroot's, lists it with the unsquashfs that unpacks our roots
+there); what each printed is its answer (runtimes/apptainer_nodes.py), kept for the compression
+of every .sif made after. A node that is down, drained or still queued when the asking ends did
+not answer: while one has not, images stay gzip.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from harbor_hpc.containers.sif import root_partition
 from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.runtimes.apptainer_nodes import READ_MARK, Asked, parse_answer
 from harbor_hpc.slurm import cluster
@@ -38,6 +40,7 @@ def ask_nodes(
     .sif every node reaches); wait up to `timeout` s for the answers in `folder` (which every
     node reaches too), cancel the jobs still queued then."""
     cluster.require_sbatch("asking the nodes", hint="run on a Slurm login node")
+    partition = root_partition(image)
     nodes = cluster.partition_nodes(placement.partition)
     where = replace(placement, partition=nodes.partition)
     folder.mkdir(parents=True, exist_ok=True)
@@ -55,6 +58,7 @@ def ask_nodes(
                         "log": str(logs / f"{node}.out"),
                         "sbatch": "\n".join(where.script_lines()),
                         "image": shlex.quote(str(image)),
+                        "offset": str(partition.offset if partition else 0),
                         "mark": shlex.quote(READ_MARK),
                     },
                 )

@@ -251,11 +251,13 @@ def ask_nodes(
 ) -> NodesReport:
     """Ask every node of the placement's partition (else the default one) whether it reads a
     zstd .sif, one small job each (slurm/nodes.py); keep the answers for the compression of
-    every .sif made after (runtimes/apptainer_nodes.py)."""
+    every .sif made after (runtimes/apptainer_nodes.py). Without Apptainer here (enroot's
+    clusters) the test image is made as `convert` makes images without it."""
     from harbor_hpc.containers.probes import probe_image
     from harbor_hpc.runtimes.apptainer import (
         SQUASHFS_COMPRESSION,
         Compression,
+        apptainer_here,
         find_apptainer,
         sif_compression,
         zstd_here,
@@ -271,7 +273,7 @@ def ask_nodes(
         )
     store = resolve_cache_dir(cache_dir)
     zstd = Compression(SQUASHFS_COMPRESSION, "asking the nodes")
-    with probe_image(find_apptainer(), store, zstd) as image:
+    with probe_image(find_apptainer() if apptainer_here() else None, store, zstd) as image:
         if not image.is_relative_to(store):
             raise HarborHpcError(
                 f"{store}: cannot keep the test image there, where the nodes would read it",

@@ -312,6 +312,7 @@ HTTPServer(("0.0.0.0", 5000), Handler).serve_forever()
 
 @pytest.mark.apptainer
 @pytest.mark.registry
+@pytest.mark.apptainer_only  # Apptainer builds the Dockerfile (no Docker)
 def test_a_build_context_service_is_built_into_the_store_and_the_oracle_scores(
     debian_sif: Path, base_image: str, tmp_path: Path
 ) -> None:

@@ -162,6 +162,7 @@ def test_checked_image_is_used_without_running_apptainer(
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.apptainer_only
 def test_conversion_from_open_registry_with_nohttps(tiny_image: TinyImage, tiny_sif: Path) -> None:
     digest = tiny_image.open_ref.rsplit("@", 1)[1]
     assert tiny_sif.name == digest.replace(":", "-") + ".sif"
@@ -198,6 +199,7 @@ def test_a_plain_http_registry_elsewhere_is_named_with_the_flag_that_reaches_it(
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.apptainer_only
 def test_password_registry_needs_and_uses_apptainer_credentials(
     tiny_image: TinyImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -235,6 +237,7 @@ def test_docker_daemon_and_archive_sources(tiny_image: TinyImage, tmp_path: Path
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.apptainer_only
 def test_concurrent_converters_make_one_good_sif(
     tiny_image: TinyImage, tmp_path: Path, recorder: Recorder
 ) -> None:
@@ -258,6 +261,7 @@ def test_concurrent_converters_make_one_good_sif(
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.apptainer_only
 def test_killed_converter_leaves_nothing_that_looks_finished(
     tiny_image: TinyImage, tmp_path: Path, recorder: Recorder
 ) -> None:
@@ -296,6 +300,7 @@ def test_killed_converter_leaves_nothing_that_looks_finished(
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.apptainer_only
 def test_a_damaged_sif_is_converted_again_before_it_is_used(
     tiny_image: TinyImage, tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

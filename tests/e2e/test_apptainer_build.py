@@ -30,7 +30,14 @@ from harbor_hpc.tasks.manifest import load_manifest
 from tests.support.sample_tasks import make_task
 from tests.tasks.test_manifest_schema import validate as validate_manifest
 
-pytestmark = [pytest.mark.apptainer, pytest.mark.slurm, pytest.mark.registry, pytest.mark.docker]
+# Apptainer's builder, which an enroot cluster does not have (apptainer_only).
+pytestmark = [
+    pytest.mark.apptainer,
+    pytest.mark.apptainer_only,
+    pytest.mark.slurm,
+    pytest.mark.registry,
+    pytest.mark.docker,
+]
 
 # Reward 1 when the oracle solved the task and the image is as its Dockerfile says.
 TEST_SH = """#!/bin/bash

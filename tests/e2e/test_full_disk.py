@@ -130,8 +130,12 @@ def test_convert_into_a_full_store(tiny_image: TinyImage, tmp_path: Path) -> Non
         assert refused.returncode == 1, refused.stderr
         assert "Traceback" not in refused.stderr
         assert f"failed: {tiny_image.open_ref}" in refused.stderr
-        assert "no space left on device" in refused.stderr, refused.stderr
-        assert "hint: the store's filesystem (or APPTAINER_TMPDIR's) is full" in refused.stderr
+        assert "no space left on device" in refused.stderr.lower(), refused.stderr
+        # Apptainer's conversion, or ours from the layers where a node has no Apptainer.
+        assert (
+            "hint: the store's filesystem (or APPTAINER_TMPDIR's) is full" in refused.stderr
+            or "hint: free space on that filesystem or write elsewhere" in refused.stderr
+        ), refused.stderr
         assert not list(store.glob("*.sif")) and debris(disk) == []
 
         unfill(disk)

@@ -45,6 +45,7 @@ def free_port() -> int:
 @pytest.mark.registry
 @pytest.mark.apptainer
 @pytest.mark.slurm
+@pytest.mark.apptainer_only  # Apptainer builds the Dockerfile (no Docker)
 def test_the_readme_runs_as_written_without_docker(base_image: str, tmp_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
     blocks = [block for heading in SECTIONS for block in bash_blocks(readme, heading)]

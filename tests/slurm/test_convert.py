@@ -113,7 +113,9 @@ def test_convert_records_sifs_reports_failures_and_reruns_from_cache(
     summary = json.loads(result.stdout)
     assert (summary["cached"], summary["failed"]) == (1, 1)
     failed = next(image for image in summary["images"] if image["state"] == "failed")
-    assert failed["tasks"] == ["dom/lost"] and "manifest unknown" in failed["error"]
+    assert failed["tasks"] == ["dom/lost"]
+    # The registry's words as Apptainer passes them on, or ours where a node has no Apptainer.
+    assert "manifest unknown" in failed["error"] or "has no harbor-hpc-test/gone" in failed["error"]
     assert load_manifest(manifest).images["good"].sif == str(tiny_sif)
 
     human = cli("--manifest", str(manifest), "--cache-dir", store, "--nohttps")
@@ -228,6 +230,7 @@ def test_slurm_refusal_is_a_clear_error(tmp_path: Path, fake_slurm: FakeSlurm) -
 @pytest.mark.apptainer
 @pytest.mark.registry
 @pytest.mark.docker
+@pytest.mark.apptainer_only
 def test_a_terminated_convert_leaves_no_tool_running_and_no_partial_file(
     tiny_image: TinyImage, tmp_path: Path, recorder: Recorder
 ) -> None:

@@ -82,6 +82,7 @@ def test_a_nodes_answer_is_read_from_what_its_job_printed() -> None:
 
 
 @pytest.mark.apptainer
+@pytest.mark.apptainer_only
 def test_nodes_never_asked_get_gzip_and_doctor_says_how_to_ask(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -19,6 +20,7 @@ from pathlib import Path
 from harbor_hpc.core.proc import run
 from harbor_hpc.runtimes.apptainer import (
     Compression,
+    apptainer_here,
     build_command,
     find_apptainer,
     sif_compression,
@@ -96,26 +98,46 @@ def build_trainer_sqsh(sqsh: Path, env: Mapping[str, str]) -> Path:
 
 
 @cache
-def session_builder() -> tuple[str, Compression]:
-    """The apptainer and the compression of this test process's image builds, asked once,
-    before any test runs (tests/conftest.py): tests hide Apptainer from the process (PATH,
-    HARBOR_HPC_APPTAINER, find_apptainer's cache) while background builds run."""
-    return find_apptainer(), sif_compression()
+@cache
+def session_builder() -> tuple[str | None, Compression]:
+    """The apptainer (None: this node has none, as on enroot's clusters) and the compression of
+    this test process's image builds, asked once, before any test runs (tests/conftest.py):
+    tests hide Apptainer from the process (PATH, HARBOR_HPC_APPTAINER, find_apptainer's cache)
+    while background builds run."""
+    return (find_apptainer() if apptainer_here() else None), sif_compression()
 
 
 def build_sif(
     sif: Path, image: str, *, env: Mapping[str, str] | None = None, background: bool = False
 ) -> Path:
     """`apptainer build` of the local Docker `image` into `sif`, compressed as the store's images
-    are, readable by every local user; in the `background`, at the lowest CPU priority."""
+    are, readable by every local user; in the `background`, at the lowest CPU priority. Where
+    the node has no Apptainer, `harbor-hpc convert`'s way without it: the image's layers from
+    `docker save`, laid out and written as a SIF (containers/store.py)."""
     binary, compression = session_builder()
-    build = build_command(
-        "-F", str(sif), f"docker-daemon://{image}", binary=binary, compression=compression
-    )
-    built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
-    assert built.ok, f"apptainer build of {image}: {built.why()}"
+    if binary is None:
+        store = sif.with_name(f"{sif.name}.store")
+        convert = [sys.executable, "-c", _CONVERT, f"docker-daemon://{image}", str(store)]
+        done = run(["nice", "-n", "19", *convert] if background else convert, timeout=600, env=env)
+        assert done.ok, f"converting {image} without Apptainer: {done.why()}"
+        os.replace(done.stdout.strip(), sif)
+    else:
+        build = build_command(
+            "-F", str(sif), f"docker-daemon://{image}", binary=binary, compression=compression
+        )
+        built = run(["nice", "-n", "19", *build] if background else build, timeout=600, env=env)
+        assert built.ok, f"apptainer build of {image}: {built.why()}"
     sif.chmod(0o755)
     return sif
+
+
+# The store's conversion of one image (argv: the source, the store's folder): prints the .sif.
+_CONVERT = """\
+import sys
+from pathlib import Path
+from harbor_hpc.containers.store import ensure_sif
+print(ensure_sif(sys.argv[1], Path(sys.argv[2])))
+"""
 
 
 def build_debian_sif(sif: Path, env: Mapping[str, str], *, background: bool) -> Path:
