@@ -33,6 +33,7 @@ from harbor_hpc.core.errors import HarborHpcError
 from harbor_hpc.images.build import ImageFailed, PlannedImage
 from harbor_hpc.images.context import context_hash
 from harbor_hpc.images.reference import Reference
+from harbor_hpc.runtimes.apptainer import apptainer_here
 from harbor_hpc.tasks.compose import Healthcheck, HealthProbe, Service, health_argv
 from harbor_hpc.tasks.manifest import ImageRecord
 
@@ -65,6 +66,12 @@ def service_sif(
         final = store.expanduser().absolute() / sif_name(context)
         if is_ready(final):
             return final
+        if not apptainer_here():  # an enroot cluster's node: nothing builds a Dockerfile here
+            raise ImageUnavailable(
+                f"{where}: its build context {service.build} is not in {store}, and this node "
+                "has no Apptainer to build it: build the task's images where Docker or Apptainer "
+                "is (`harbor-hpc build`), then `convert` and `rewrite --sif`"
+            )
         builder = ApptainerBuilder(store, build_args={}, nohttps=nohttps)
         builder.check_here()
         planned = PlannedImage(context, Reference("", f"env-{context[:12]}"), service.build)

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from harbor_hpc.containers.errors import UnsupportedTask
-from harbor_hpc.containers.pod import image_healthcheck
+from harbor_hpc.containers.errors import ImageUnavailable, UnsupportedTask
+from harbor_hpc.containers.pod import image_healthcheck, service_sif
 from harbor_hpc.containers.probes import missing_subid_ranges
 from harbor_hpc.containers.sif import ImageConfig
+from harbor_hpc.runtimes.apptainer import find_apptainer
 from harbor_hpc.tasks.compose import (
     Healthcheck,
     HealthProbe,
+    Service,
     UnsupportedCompose,
     Volume,
     load_compose,
@@ -415,6 +417,28 @@ def write_terminal_bench_compose(env_dir: Path) -> None:
     }
     processor = DockerComposeProcessor("tb")
     processor.write_harbor_compose(original, env_dir / "docker-compose.yaml")
+
+
+def test_a_build_context_on_a_node_without_apptainer_says_where_to_build_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An enroot cluster's node has nothing that builds a Dockerfile: the service is named, and
+    so is what to do, before anything is tried."""
+    monkeypatch.setenv("HARBOR_HPC_APPTAINER", str(tmp_path / "no-apptainer"))
+    find_apptainer.cache_clear()  # asked once per process
+    try:
+        context = tmp_path / "api-server"
+        context.mkdir()
+        (context / "Dockerfile").write_text("FROM scratch\n")
+        service = Service(name="api-server", build=context)
+        with pytest.raises(ImageUnavailable) as raised:
+            service_sif(service, tmp_path, tmp_path / "store", nohttps=None)
+    finally:
+        find_apptainer.cache_clear()
+    said = str(raised.value)
+    assert said.startswith(f"service 'api-server': its build context {context} is not in ")
+    assert "no Apptainer to build it" in said and "`harbor-hpc build`" in said
+    assert not (tmp_path / "store").exists()
 
 
 def test_answer_service_task_reads_as_a_pod(tmp_path: Path) -> None:
