@@ -69,7 +69,9 @@ def mount(request):
     # A snapshot's layers (topmost first) between the upper and the image.
     lowers = ":".join([*request.get("above", []), lower])
     dirs = f"lowerdir={lowers},upperdir={request['upper']},workdir={request['work']}"
-    run(["mount", "-t", "overlay", "overlay", "-o", dirs + ",userxattr", request["merged"]])
+    # Its options (holder.py OVERLAY_OPTIONS): userxattr, and volatile (no sync of the disk).
+    overlay = f"{dirs},{request['options']}"
+    run(["mount", "-t", "overlay", "overlay", "-o", overlay, request["merged"]])
     if request.get("shm"):
         # The container's /dev/shm, as Docker's: a tmpfs of its own, 64 MB unless told.
         options = f"size={request['shm_size']},mode=1777,nosuid,nodev"

@@ -69,6 +69,11 @@ def hold(subids: bool) -> tuple[str, ...]:
     return (*HOLD, *WITH_RANGES) if subids else HOLD
 
 
+# The overlay's options: `userxattr` keeps its xattrs in the user namespace; `volatile` skips
+# its syncs of the upper's whole filesystem (the node's scratch disk, which other users write
+# too): an unmount synced it, so each container's stop waited on the node's writeback. An
+# upper lives as long as its container and is never mounted again.
+OVERLAY_OPTIONS = "userxattr,volatile"
 # Mount points every container needs in its root (Apptainer makes none in a --writable folder).
 BASE_DIRS = ("/dev", "/proc", "/sys", "/tmp", "/var/tmp")
 START_TIMEOUT_S = 30.0
@@ -150,7 +155,7 @@ def _probe(scratch: Path, subids: bool) -> RootPath:
     if "unrecognized option" in refused:
         why = f"this node's unshare is older than util-linux 2.38: {refused}"
         return RootPath(False, why, subids)
-    why = f"the kernel's overlay with userxattr (Linux 5.11 and later) refused: {refused}"
+    why = f"the kernel's overlay with {OVERLAY_OPTIONS} (Linux 5.11 and later) refused: {refused}"
     return RootPath(False, why, subids)
 
 
@@ -165,7 +170,7 @@ def _try_overlay(scratch: Path, subids: bool) -> str | None:
         for name in ("lower/a", "upper", "work", "merged"):
             (folder / name).mkdir(parents=True)
         dirs = f"lowerdir={folder}/lower,upperdir={folder}/upper,workdir={folder}/work"
-        mount = f"mount -t overlay overlay -o {dirs},userxattr {folder}/merged"
+        mount = f"mount -t overlay overlay -o {dirs},{OVERLAY_OPTIONS} {folder}/merged"
         done = run(
             [*hold(subids), "sh", "-c", f"{mount} && mv {folder}/merged/a {folder}/merged/b"],
             timeout=START_TIMEOUT_S,
@@ -312,6 +317,7 @@ class Holder:
             "files": targets[1],
             "shm": str(state / "shm"),
             "shm_size": DOCKER_SHM_BYTES,
+            "options": OVERLAY_OPTIONS,
         }
         if lower is None:
             partition = root_partition(sif)

@@ -151,11 +151,13 @@ def named(processes: list[psutil.Process]) -> dict[psutil.Process, str]:
 
 
 def gone_within(seconds: float, still: Callable[[], list[str]]) -> list[str]:
-    """What `still()` lists once it lists nothing, or after `seconds`."""
+    """What `still()` lists once it lists nothing (then nothing), or after `seconds`: the
+    answer of the look that ended the wait, never of one more (the user's other containers,
+    other tests', start and end at any moment: one more look can find one ending)."""
     deadline = time.monotonic() + seconds
-    while still() and time.monotonic() < deadline:
+    while (left := still()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return still()
+    return left
 
 
 def job_processes(job: str) -> list[psutil.Process]:
