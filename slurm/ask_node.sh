@@ -27,17 +27,26 @@ ${sbatch}
 # The site's lines first, as they are written (a module function may trip set -u).
 ${setup}
 # The Apptainer our jobs would run there: HARBOR_HPC_APPTAINER, else the one on PATH. A node
-# without one (enroot's) answers by its unsquashfs, which unpacks our containers' roots there:
-# the image's root listed (its superblock names its compression).
+# without one (enroot's) answers by what reads our containers' roots there: its unsquashfs,
+# which unpacks them (the image's root listed: its superblock names its compression), and its
+# squashfuse_ll, which mounts an image's root on its first use (mounted in a user namespace of
+# the job's own, as our containers' are).
 apptainer=$${HARBOR_HPC_APPTAINER:-apptainer}
 if found=$$(command -v "$$apptainer") && [ -f "$$found" ] && [ -x "$$found" ]; then
   "$$apptainer" --version 2>&1
   "$$apptainer" exec ${image} /bin/sh -c true 2>&1 && echo ${mark}
 else
   echo "no Apptainer: $$(unsquashfs -version 2>&1 | head -n 1)"
-  if said=$$(unsquashfs -o ${offset} -l ${image} 2>&1 >/dev/null); then
+  mounted='d=$$(mktemp -d) && "$$1" -o offset="$$2" "$$3" "$$d" && ls -A "$$d" | grep -q .
+    ok=$$?; umount "$$d" 2>/dev/null; rmdir "$$d"; exit $$ok'
+  if ! said=$$(unsquashfs -o ${offset} -l ${image} 2>&1 >/dev/null); then
+    printf '%s\n' "$${said:-unsquashfs failed}" | tail -n 1
+  elif ! squashfuse=$$(command -v squashfuse_ll); then
+    echo "no squashfuse_ll (squashfuse) on PATH: an image's first use mounts its .sif with it"
+  elif said=$$(unshare --user --map-root-user --mount \
+      sh -c "$$mounted" sh "$$squashfuse" ${offset} ${image} 2>&1); then
     echo ${mark}
   else
-    printf '%s\n' "$${said:-unsquashfs failed}" | tail -n 1
+    printf 'squashfuse_ll: %s\n' "$${said:-cannot mount it}" | tail -n 1
   fi
 fi

@@ -44,6 +44,7 @@ from harbor_hpc.core.files import file_lock, filesystem_type
 from harbor_hpc.core.probe import Finding, Status, current_user
 from harbor_hpc.core.proc import Ran, run
 from harbor_hpc.core.scratch import PrivateDir
+from harbor_hpc.images.layers import squash_command
 from harbor_hpc.runtimes import container_runtime
 from harbor_hpc.runtimes.apptainer import (
     CANDIDATE_FLAGS,
@@ -52,7 +53,6 @@ from harbor_hpc.runtimes.apptainer import (
     OVERLAY_OFF,
     OVERLAY_OFF_FIX,
     PROBE_TIMEOUT_S,
-    SQUASHFS_ARGS,
     SQUASHFS_COMPRESSION,
     TESTED,
     ZSTD_MINIMUM,
@@ -147,17 +147,9 @@ def enroot_findings() -> list[Finding]:
     ]
     if not apptainer_here():
         found.append(layer_convert_finding())
-    root = container_root_finding("enroot")
-    if root.status is not Status.OK:
-        root = Finding(
-            "container root",
-            Status.MISSING,
-            f"{root.detail}: enroot starts containers on a root of our own only",
-            root.fix,
-        )
     return [
         *found,
-        root,
+        container_root_finding("enroot"),
         unpacked_roots_finding(),
         trial_scratch_finding(),
         network_finding(),
@@ -341,17 +333,28 @@ def subid_finding() -> Finding:
 
 def container_root_finding(runtime: str = "apptainer") -> Finding:
     """Which path a task container's root takes on this node, and why not a faster one
-    (holder.py), for the scratch folder trials use by default ($TMPDIR)."""
+    (holder.py), for the scratch folder trials use by default ($TMPDIR). enroot starts
+    containers on a root of our own only: without one, none start."""
     path = root_path(Path(tempfile.gettempdir()), subids=not missing_subid_ranges())
     if path.own:
         detail = f"{path.describe(runtime)}; forks and snapshots: yes"
         return Finding("container root", Status.OK, detail)
-    hint = (
-        "the subuid and subgid ranges above"
-        if "subuid" in path.why
-        else "Linux 5.11 or later lets a user mount the kernel's overlay in a user namespace, "
-        "on a local disk"
-    )
+    if "subuid" in path.why:
+        hint = "the subuid and subgid ranges above"
+    elif "squashfuse" in path.why:
+        hint = "install squashfuse (its squashfuse_ll) on the nodes"
+    else:
+        hint = (
+            "Linux 5.11 or later lets a user mount the kernel's overlay in a user namespace, "
+            "on a local disk"
+        )
+    if runtime == "enroot":
+        return Finding(
+            "container root",
+            Status.MISSING,
+            f"{path.describe()}: enroot starts containers on a root of our own only",
+            hint,
+        )
     return Finding(
         "container root",
         Status.WARN,
@@ -716,9 +719,8 @@ def _build_probe_image(binary: str | None, target: Path, compression: Compressio
         partial = Path(scratch) / "probe.sif"
         if binary is None:
             squashfs = Path(scratch) / "root.sqfs"
-            zstd = SQUASHFS_ARGS if compression.name == SQUASHFS_COMPRESSION else ()
-            command = ["mksquashfs", str(rootfs), str(squashfs), "-noappend", "-no-progress"]
-            built = run([*command, "-all-root", *zstd], timeout=BUILD_TIMEOUT_S)
+            command = squash_command(rootfs, squashfs, (*compression.squashfs_args, "-all-root"))
+            built = run(command, timeout=BUILD_TIMEOUT_S)
             if built.ok:
                 write_sif(squashfs, {}, node_architecture(), partial)
         else:

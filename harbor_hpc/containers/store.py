@@ -72,7 +72,6 @@ from harbor_hpc.core.scratch import remove_private_dir
 from harbor_hpc.images import layers
 from harbor_hpc.images.reference import DIGEST, Reference, is_loopback
 from harbor_hpc.runtimes.apptainer import (
-    SQUASHFS_ARGS,
     apptainer_here,
     build_command,
     run_flags,
@@ -427,12 +426,11 @@ def _convert_by_layers(
         registry = _apptainer_registry(ref.host, plain_http=use_http)
         image = layers.from_registry(registry, ref.repository, ref.digest or "", architecture, work)
     squashfs = work / "root.sqfs"
-    zstd = sif_compression().name == "zstd"
     ranges = () if missing_subid_ranges() else ("--map-auto",)
     command = [
         *("unshare", "--map-root-user", *ranges),
         *(sys.executable, "-m", "harbor_hpc.images.layers"),
-        *(str(work / "root"), str(squashfs), json.dumps(SQUASHFS_ARGS if zstd else [])),
+        *(str(work / "root"), str(squashfs), json.dumps(sif_compression().squashfs_args)),
         *(str(layer) for layer in image.layers),
     ]
     done = run(command, timeout=CONVERT_TIMEOUT_S)

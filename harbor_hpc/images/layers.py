@@ -301,6 +301,11 @@ def _own(path: str, info: tarfile.TarInfo) -> None:
             raise
 
 
+def squash_command(root: Path, squashfs: Path, squash_args: Sequence[str]) -> list[str]:
+    """mksquashfs making `squashfs` of the folder `root` with `squash_args` (its compression)."""
+    return ["mksquashfs", str(root), str(squashfs), "-noappend", "-no-progress", *squash_args]
+
+
 def main(root: Path, squashfs: Path, squash_args: Sequence[str], layers: Sequence[Path]) -> int:
     """Apply `layers` into `root`, squash it into `squashfs`, remove `root`: run as root of the
     user's namespace, so that owners are the container's and the folder can be removed."""
@@ -309,7 +314,7 @@ def main(root: Path, squashfs: Path, squash_args: Sequence[str], layers: Sequenc
         devices = apply(layers, root)
         os.chmod(root, 0o755)
         done = subprocess.run(
-            ["mksquashfs", str(root), str(squashfs), "-noappend", "-no-progress", *squash_args],
+            squash_command(root, squashfs, squash_args),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

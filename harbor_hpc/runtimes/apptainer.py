@@ -105,10 +105,17 @@ def find_apptainer() -> str:
 
 def apptainer_here() -> bool:
     """Whether this node has an Apptainer to call (what `find_apptainer` names is a program)."""
+    return local_apptainer() is not None
+
+
+def local_apptainer() -> str | None:
+    """`find_apptainer`'s binary where this node can call it, else None (an enroot cluster's
+    node has none)."""
     try:
-        return shutil.which(find_apptainer()) is not None
+        binary = find_apptainer()
     except HarborHpcError:
-        return False
+        return None
+    return binary if shutil.which(binary) is not None else None
 
 
 # Root in the container, as Docker gives it: a user namespace mapping the user to root, with
@@ -211,19 +218,25 @@ class Compression:
     askable: bool = False
 
     @property
+    def squashfs_args(self) -> tuple[str, ...]:
+        """mksquashfs's options for it: none for gzip, mksquashfs's default."""
+        return SQUASHFS_ARGS if self.name == SQUASHFS_COMPRESSION else ()
+
+    @property
     def options(self) -> tuple[str, ...]:
-        """`apptainer build` options for it: none for gzip, mksquashfs's default."""
-        return ("--mksquashfs-args", " ".join(SQUASHFS_ARGS)) if self.name == "zstd" else ()
+        """`apptainer build` options for it."""
+        args = self.squashfs_args
+        return ("--mksquashfs-args", " ".join(args)) if args else ()
 
 
 @cache
 def zstd_here() -> str | None:
     """None when this node makes zstd images (Apptainer 1.4 or newer where there is Apptainer,
     a mksquashfs that takes SQUASHFS_ARGS, tried on an empty folder), else why not."""
-    here = apptainer_here()
-    version = apptainer_version(find_apptainer()) if here else None
+    binary = local_apptainer()
+    version = apptainer_version(binary) if binary else None
     mksquashfs = shutil.which("mksquashfs")
-    if here and (version is None or version.release < ZSTD_MINIMUM):
+    if binary and (version is None or version.release < ZSTD_MINIMUM):
         return f"this node's {version or 'Apptainer'} makes no zstd images (1.4 does)"
     if mksquashfs is None:
         return "mksquashfs is not on PATH (Apptainer then uses its own, with gzip)"

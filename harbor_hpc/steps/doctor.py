@@ -257,8 +257,7 @@ def ask_nodes(
     from harbor_hpc.runtimes.apptainer import (
         SQUASHFS_COMPRESSION,
         Compression,
-        apptainer_here,
-        find_apptainer,
+        local_apptainer,
         sif_compression,
         zstd_here,
     )
@@ -273,7 +272,7 @@ def ask_nodes(
         )
     store = resolve_cache_dir(cache_dir)
     zstd = Compression(SQUASHFS_COMPRESSION, "asking the nodes")
-    with probe_image(find_apptainer() if apptainer_here() else None, store, zstd) as image:
+    with probe_image(local_apptainer(), store, zstd) as image:
         if not image.is_relative_to(store):
             raise HarborHpcError(
                 f"{store}: cannot keep the test image there, where the nodes would read it",

@@ -7,6 +7,7 @@ file), as on a node that has none."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from harbor_hpc.core.probe import Status
 from harbor_hpc.runtimes import container_runtime
 from harbor_hpc.runtimes.apptainer import find_apptainer
 from harbor_hpc.runtimes.enroot import find_enroot
+from tests.support.cli import cli
 from tests.support.environments import started
 from tests.support.processes import ENDED_WITHIN_S, container_processes, gone_within
 
@@ -112,3 +114,27 @@ def test_doctor_names_enroot_and_what_its_containers_get(monkeypatch: pytest.Mon
     assert said["container root"].status is Status.OK
     assert said["gpus"].status is Status.WARN and "Apptainer" in said["gpus"].fix
     assert "binary" not in said  # no Apptainer asked for
+
+
+def test_doctor_on_an_enroot_node_without_squashfuse_says_no_container_starts(
+    tmp_path: Path,
+) -> None:
+    """A node with enroot, no Apptainer (whose install ships a squashfuse_ll) and no squashfuse:
+    no root of our own, so no container starts; doctor says so and what to install."""
+    path = tmp_path / "bin"
+    path.mkdir()
+    for folder in os.environ["PATH"].split(os.pathsep):
+        for tool in Path(folder).glob("*") if Path(folder).is_dir() else ():
+            if tool.name != "squashfuse_ll" and not (path / tool.name).exists():
+                (path / tool.name).symlink_to(tool)
+    env = {**os.environ, "PATH": str(path), "HARBOR_HPC_RUNTIME": "enroot"}
+    env["HARBOR_HPC_APPTAINER"] = str(tmp_path / "no-apptainer")
+    done = cli("doctor", "--json", check=False, env=env)
+    root = next(c for c in json.loads(done.stdout) if c["check"] == "container root")
+    assert root["status"] == "missing", root
+    assert root["detail"] == (
+        "Apptainer's own overlay on the .sif (no squashfuse_ll (squashfuse) to mount the .sif "
+        "with): enroot starts containers on a root of our own only"
+    )
+    assert root["fix"] == "install squashfuse (its squashfuse_ll) on the nodes"
+    assert done.returncode == 1

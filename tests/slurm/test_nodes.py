@@ -17,7 +17,12 @@ import pytest
 
 from harbor_hpc.core.cluster_name import slurm_cluster_name
 from harbor_hpc.core.errors import InputError
-from harbor_hpc.runtimes.apptainer import build_command, sif_compression, zstd_here
+from harbor_hpc.runtimes.apptainer import (
+    apptainer_here,
+    build_command,
+    sif_compression,
+    zstd_here,
+)
 from harbor_hpc.runtimes.apptainer_nodes import (
     Asked,
     NodeAnswer,
@@ -131,24 +136,37 @@ def test_the_nodes_are_asked_and_images_follow_their_answers(
     assert json.loads(answers_file().read_text())  # kept for every later command
     assert _converted(tiny_image, tmp_path / "zstd") == "zstd"
 
-    # A node whose Apptainer is older than 1.4 (the site's setup line puts one first on its
-    # PATH): it says so, and images are gzip from then on, which every node reads.
-    old = tmp_path / "old"
-    old.mkdir()
-    (old / "apptainer").write_text(
+    def asked_with(program: str, script: str) -> str:
+        """What `doctor --nodes` prints where the site's setup line puts `program` (a shell
+        `script`) first on the nodes' PATH."""
+        first = tmp_path / f"first-{program}"
+        first.mkdir()
+        (first / program).write_text(script)
+        (first / program).chmod(0o755)
+        return cli(
+            "doctor", "--nodes", "--partition", partition, "--cache-dir", str(store),
+            "--setup", f"export PATH={first}:$PATH",
+        ).stdout  # fmt: skip
+
+    if not apptainer_here():
+        # A node without Apptainer whose squashfuse_ll reads no zstd: an image's first use
+        # there would fail, so gzip.
+        said = asked_with("squashfuse_ll", "#!/bin/sh\necho 'no zstd support' >&2\nexit 1\n")
+        assert "no Apptainer: unsquashfs version" in said
+        assert "squashfuse_ll: no zstd support" in said
+        assert "images from now on: gzip" in said
+    # A node whose Apptainer is older than 1.4: it says so, and images are gzip from then on,
+    # which every node reads.
+    said = asked_with(
+        "apptainer",
         "#!/bin/sh\n"
         '[ "$1" = --version ] && echo "apptainer version 1.3.6" && exit 0\n'
         'echo "FATAL:   while loading: corrupted image: unknown compression algorithm value 6"\n'
-        "exit 255\n"
+        "exit 255\n",
     )
-    (old / "apptainer").chmod(0o755)
-    said = cli(
-        "doctor", "--nodes", "--partition", partition, "--cache-dir", str(store),
-        "--setup", f"export PATH={old}:$PATH",
-    )  # fmt: skip
-    assert "apptainer version 1.3.6" in said.stdout
-    assert "unknown compression algorithm value 6" in said.stdout
-    assert "images from now on: gzip" in said.stdout
+    assert "apptainer version 1.3.6" in said
+    assert "unknown compression algorithm value 6" in said
+    assert "images from now on: gzip" in said
     assert _converted(tiny_image, tmp_path / "gzip") == "gzip"
     checks = json.loads(cli("doctor", "--json", check=False).stdout)
     compression = next(check for check in checks if check["check"] == "compression")

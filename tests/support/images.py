@@ -20,9 +20,8 @@ from pathlib import Path
 from harbor_hpc.core.proc import run
 from harbor_hpc.runtimes.apptainer import (
     Compression,
-    apptainer_here,
     build_command,
-    find_apptainer,
+    local_apptainer,
     sif_compression,
 )
 from harbor_hpc.tasks.manifest import ImageRecord, Manifest, save_manifest
@@ -104,7 +103,7 @@ def session_builder() -> tuple[str | None, Compression]:
     this test process's image builds, asked once, before any test runs (tests/conftest.py):
     tests hide Apptainer from the process (PATH, HARBOR_HPC_APPTAINER, find_apptainer's cache)
     while background builds run."""
-    return (find_apptainer() if apptainer_here() else None), sif_compression()
+    return local_apptainer(), sif_compression()
 
 
 def build_sif(
