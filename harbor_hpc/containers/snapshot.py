@@ -218,12 +218,7 @@ def copy_upper(enter: list[str], upper: Path, snapshot: Snapshot, limit_bytes: i
     its owners and the overlay's xattrs and whiteouts can be made), within `limit_bytes` for
     all of this process's snapshots."""
     size = upper_bytes(enter, upper)
-    if limit_bytes is not None and held_bytes() + size > limit_bytes:
-        raise SnapshotRefused(
-            f"its upper holds {size / 2**20:.1f} MB, and this process's snapshots "
-            f"{held_bytes() / 2**20:.1f} MB of snapshot_storage_mb={limit_bytes // 2**20}: "
-            "remove snapshots no longer needed, or raise snapshot_storage_mb"
-        )
+    _admit("its upper", size, limit_bytes)
     done = run(
         [*enter, "cp", "-a", "--reflink=auto", "--", f"{upper}/.", f"{snapshot.upper}/"],
         timeout=COPY_TIMEOUT_S,
@@ -232,6 +227,17 @@ def copy_upper(enter: list[str], upper: Path, snapshot: Snapshot, limit_bytes: i
         raise SnapshotRefused(f"copying {upper} failed: {done.why()}")
     snapshot.bytes = size
     _count(size)
+
+
+def _admit(what: str, size: int, limit_bytes: int | None) -> None:
+    """Refuse `what` (`size` bytes more) where this process's snapshots would then hold more
+    than `limit_bytes` (snapshot_storage_mb)."""
+    if limit_bytes is not None and held_bytes() + size > limit_bytes:
+        raise SnapshotRefused(
+            f"{what} holds {size / 2**20:.1f} MB, and this process's snapshots "
+            f"{held_bytes() / 2**20:.1f} MB of snapshot_storage_mb={limit_bytes // 2**20}: "
+            "remove snapshots no longer needed, or raise snapshot_storage_mb"
+        )
 
 
 # tar keeping what the overlay's upper holds: owners by number, modes, the overlay's xattrs
@@ -264,8 +270,10 @@ def unpack_layers(
     step: int | None,
     env: dict[str, str],
     subids: bool,
+    limit_bytes: int | None,
 ) -> Snapshot:
-    """The snapshot whose layers `pack_layers` made (topmost first), made anew in `scratch`."""
+    """The snapshot whose layers `pack_layers` made (topmost first), made anew in `scratch`,
+    counted with this process's snapshots within `limit_bytes` (snapshot_storage_mb)."""
     below: Snapshot | None = None
     try:
         for archive in reversed(archives):  # the image's nearest first
@@ -279,6 +287,10 @@ def unpack_layers(
             )
             if not done.ok:
                 raise SnapshotRefused(f"unpacking a copied snapshot failed: {done.why()}")
+            size = upper_bytes(_as_owner(subids), layer.upper)
+            _admit("its copy on this node", size, limit_bytes)
+            layer.bytes = size
+            _count(size)
     except BaseException:
         if below is not None:
             below.release()

@@ -580,8 +580,11 @@ class RaySingularityEnvironment(BaseEnvironment):  # type: ignore[misc]  # harbo
                 self._node,
             )
             scratch = self._forwarded.get("scratch_dir")
+            limit = self._forwarded.get("snapshot_storage_mb")
             copies[self._node_id] = asyncio.ensure_future(
-                self._call("fetch_snapshot", source, path, Path(scratch) if scratch else None)
+                self._call(
+                    "fetch_snapshot", source, path, Path(scratch) if scratch else None, limit
+                )
             )
         try:
             copy: str = await asyncio.shield(copies[self._node_id])

@@ -201,9 +201,12 @@ class EnvironmentHost:
             "env": taken.env,
         }
 
-    async def fetch_snapshot(self, source: Any, path: str, scratch: Path | None) -> str:
+    async def fetch_snapshot(
+        self, source: Any, path: str, scratch: Path | None, limit_mb: int | None
+    ) -> str:
         """A copy here (in `scratch`) of the snapshot at `path` that the host `source` of
-        another node holds, held for the driver: its folder."""
+        another node holds, held for the driver, within `limit_mb` for this host's snapshots
+        (snapshot_storage_mb): its folder."""
         packed = await source.call.remote(uuid.uuid4().hex, "pack_snapshot", path)
         archives = []
         try:
@@ -228,6 +231,7 @@ class EnvironmentHost:
                     step=packed["step"],
                     env=packed["env"],
                     subids=not missing_subid_ranges(),
+                    limit_bytes=limit_mb * 2**20 if limit_mb else None,
                 )
             )
         finally:

@@ -3,8 +3,9 @@
 One small job per node (slurm/ask_node.sh, held to its node by --nodelist) runs the node's
 Apptainer, as our jobs would find it after the site's setup lines, on a tiny zstd image in the
 store (a node without Apptainer, enroot's, lists it with the unsquashfs that unpacks our roots
-there and mounts it with the squashfuse_ll that mounts them on an image's first use); what each printed is its answer (runtimes/apptainer_nodes.py), kept for the compression
-of every .sif made after. A node that is down, drained or still queued when the asking ends did
+there and mounts it with the squashfuse_ll that mounts them on an image's first use); what
+each printed is its answer (runtimes/apptainer_nodes.py), kept for the compression of every
+.sif made after. A node that is down, drained or still queued when the asking ends did
 not answer: while one has not, images stay gzip.
 """
 

@@ -17,7 +17,8 @@ import pytest
 
 from harbor_hpc.containers.environment import SingularityEnvironment
 from harbor_hpc.containers.errors import SnapshotRefused
-from harbor_hpc.containers.snapshot import PREFIX, held_bytes
+from harbor_hpc.containers.probes import missing_subid_ranges
+from harbor_hpc.containers.snapshot import PREFIX, held_bytes, pack_layers, unpack_layers
 from harbor_hpc.containers.watchdog import process_tree
 from harbor_hpc.core.scratch import sweep
 from tests.containers.test_compose import POD, PROBE, write_compose
@@ -173,6 +174,56 @@ def test_a_snapshot_is_restored_after_its_parent_stopped_and_is_capped(
     assert text == "saved\nsaved\n"
     assert "snapshot_storage_mb=2" in refused and refused.startswith("task unit: its upper holds")
     assert left == []
+
+
+def test_a_snapshots_copy_for_another_node_counts_against_its_cap(
+    debian_sif: Path, tmp_path: Path
+) -> None:
+    """What a Ray host on another node does with a snapshot it fetches (ray/host.py): its
+    layers packed where it was taken, unpacked here, and held within snapshot_storage_mb with
+    this process's other snapshots."""
+    scratch = tmp_path / "scratch"
+    subids = not missing_subid_ranges()
+
+    async def main() -> tuple[int, int, str, str]:
+        async with started(debian_sif, tmp_path, tmp_path / "env", scratch_dir=scratch) as parent:
+            await out(parent, "head -c 3000000 /dev/urandom > /root/big && rm /etc/issue")
+            taken = await parent.snapshot(step=2)
+        try:
+            archives = [tmp_path / f"layer-{k}.tar" for k in range(len(taken.layers))]
+            pack_layers(taken, archives, subids)
+            held = held_bytes()
+            copy = unpack_layers(
+                archives, scratch, source=taken.source, step=2, env={}, subids=subids,
+                limit_bytes=None,
+            )  # fmt: skip
+            counted = held_bytes() - held
+            try:
+                (restored,) = await parent.restore(copy)
+                try:
+                    seen = await out(restored, "wc -c < /root/big; test -e /etc/issue || echo gone")
+                finally:
+                    await restored.stop(delete=True)
+                with pytest.raises(SnapshotRefused) as refused:
+                    unpack_layers(
+                        archives, scratch, source=taken.source, step=2, env={}, subids=subids,
+                        limit_bytes=held_bytes() + 2**20,
+                    )  # fmt: skip
+            finally:
+                copy.release()
+            return counted, taken.bytes, seen, str(refused.value)
+        finally:
+            taken.release()
+
+    before = held_bytes()
+    counted, taken_bytes, seen, refused = asyncio.run(main())
+    assert counted == taken_bytes > 3_000_000  # the copy counts what the snapshot counts
+    assert seen == "3000000\ngone\n"
+    assert refused.startswith("its copy on this node holds 2.9 MB, and this process's")
+    assert "remove snapshots no longer needed, or raise snapshot_storage_mb" in refused
+    assert (
+        held_bytes() == before and snapshots(scratch) == []
+    )  # each copy gone with its last holder
 
 
 @pytest.mark.apptainer_only  # fakeroot=false: Apptainer's own overlay, as the user

@@ -292,8 +292,9 @@ async def main():
     await asyncio.gather(*(e.stop(True) for e in [parent, *children]))
     show(seen=seen, after=after, nodes=nodes, branch=branch,
          parent=str(parent.trial_paths.trial_dir))
-    # A parent holding its node's whole CPU: its child goes to the other node, the copy with it.
-    whole = make("whole", ray_cpus=1)
+    # A parent holding its node's whole CPU: its child goes to the other node, the copy with it
+    # (held there within the parent's snapshot_storage_mb).
+    whole = make("whole", ray_cpus=1, snapshot_storage_mb=64)
     await whole.start(False)
     await whole.exec("echo far > /root/far && chown 65534 /root/far && rm /etc/issue")
     (far,) = await whole.fork(1)
